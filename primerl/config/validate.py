@@ -1,0 +1,95 @@
+"""Cross-field checks that a typed schema cannot express. Each failure names the offending key."""
+
+import ipaddress
+
+from primerl.config.schema import RunConfig
+from primerl.model.config import ModelSource
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; `key` is the dotted path a user would override."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError on the first inconsistency. Checks that need the world size live in `check_world_size`."""
+    orch, trainer, model, inf = cfg.orchestrator, cfg.trainer, cfg.model, cfg.inference
+    if orch.group_size < 1:
+        raise ConfigError("orchestrator.group_size", f"must be >= 1, got {orch.group_size}")
+    if orch.batch_size % orch.group_size:
+        raise ConfigError(
+            "orchestrator.batch_size",
+            f"{orch.batch_size} is not divisible by orchestrator.group_size={orch.group_size}",
+        )
+    if orch.async_level < 0:
+        raise ConfigError("orchestrator.async_level", f"must be >= 0 (0 = synchronous), got {orch.async_level}")
+    if orch.max_tokens >= inf.max_model_len:
+        raise ConfigError(
+            "orchestrator.max_tokens",
+            f"{orch.max_tokens} leaves no room for the prompt in inference.max_model_len={inf.max_model_len}",
+        )
+    if trainer.seq_len < inf.max_model_len:
+        raise ConfigError(
+            "trainer.seq_len",
+            f"{trainer.seq_len} is shorter than inference.max_model_len={inf.max_model_len}: a full rollout must fit",
+        )
+    if model.source == ModelSource.tiny:
+        arch = model.arch
+        if arch.num_attention_heads % arch.num_key_value_heads:
+            raise ConfigError(
+                "model.arch.num_key_value_heads",
+                f"{arch.num_key_value_heads} must divide num_attention_heads={arch.num_attention_heads}",
+            )
+        for key, length in (("trainer.seq_len", trainer.seq_len), ("sft.seq_len", cfg.sft.seq_len)):
+            if length > arch.max_position_embeddings:
+                raise ConfigError(key, f"{length} exceeds model.arch.max_position_embeddings={arch.max_position_embeddings}")
+    if model.source == ModelSource.hub and not model.hub_id:
+        raise ConfigError("model.hub_id", "required when model.source=hub")
+    if model.source == ModelSource.path and not model.path:
+        raise ConfigError("model.path", "required when model.source=path")
+    if not _is_loopback(inf.host) and not inf.api_key:
+        raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
+    par = cfg.parallelism
+    for key in ("ep", "cp"):
+        if getattr(par, key) < 1:
+            raise ConfigError(f"parallelism.{key}", f"must be >= 1, got {getattr(par, key)}")
+    if par.dp_shard == 0 or par.dp_shard < -1:
+        raise ConfigError("parallelism.dp_shard", f"must be >= 1 or -1 (all remaining ranks), got {par.dp_shard}")
+    if par.ep > 1:
+        experts = model.arch.num_experts
+        if model.source != ModelSource.tiny or experts == 0:
+            raise ConfigError("parallelism.ep", f"expert parallel needs a MoE model (model.arch.num_experts={experts})")
+        if experts % par.ep:
+            raise ConfigError("parallelism.ep", f"{par.ep} must divide model.arch.num_experts={experts}")
+    if par.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
+
+
+def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:
+    """The data-parallel shard degree for this world size.
+
+    world = dp_shard x cp; expert parallel borrows a sub-mesh of the dp_shard ranks, so ep must divide dp_shard.
+    """
+    par = cfg.parallelism
+    dp = par.dp_shard if par.dp_shard != -1 else world_size // par.cp
+    if dp * par.cp != world_size:
+        raise ConfigError(
+            "parallelism.dp_shard",
+            f"dp_shard={dp} x cp={par.cp} = {dp * par.cp} does not equal the world size {world_size}",
+        )
+    if dp % par.ep:
+        raise ConfigError("parallelism.ep", f"{par.ep} must divide dp_shard={dp} (world size {world_size})")
+    return dp

@@ -1,0 +1,36 @@
+"""The reverse-text task: prompts, reference answers and the LCS-ratio reward, defined once for SFT, RL and eval."""
+
+import random
+import string
+
+SYSTEM_PROMPT = "Reverse the text character by character."
+ALPHABET = string.ascii_lowercase
+
+
+def make_texts(seed: int, count: int, min_len: int = 5, max_len: int = 12) -> list[str]:
+    """`count` random lowercase strings; the same seed always gives the same list."""
+    rng = random.Random(seed)
+    return ["".join(rng.choices(ALPHABET, k=rng.randint(min_len, max_len))) for _ in range(count)]
+
+
+def prompt_messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+
+
+def lcs_length(a: str, b: str) -> int:
+    prev = [0] * (len(b) + 1)
+    for ca in a:
+        cur = [0]
+        for j, cb in enumerate(b):
+            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def lcs_ratio(completion: str, text: str) -> float:
+    """2*LCS/(len(a)+len(b)) between the completion and the true reversal: 1.0 iff exact, 0.0 for nothing shared."""
+    target = text[::-1]
+    answer = completion.strip()
+    if not answer and not target:
+        return 1.0
+    return 2 * lcs_length(answer, target) / (len(answer) + len(target))

@@ -1,0 +1,48 @@
+"""Inference group: how the vLLM server is started."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Quantization(Enum):
+    none = "none"
+    fp8 = "fp8"
+
+
+class KvCacheDtype(Enum):
+    auto = "auto"
+    fp8 = "fp8"
+
+
+class PdRole(Enum):
+    both = "both"  # one server does prefill and decode
+    prefill = "prefill"
+    decode = "decode"
+
+
+@dataclass
+class PdConfig:
+    """Prefill/decode disaggregation: two vLLM servers joined by a KV connector."""
+
+    enabled: bool = False
+    kv_connector: str = "NixlConnector"
+    prefill_port: int = 8100
+    decode_port: int = 8200
+
+
+@dataclass
+class InferenceConfig:
+    name: str = "vllm"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int = 512
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_gib: int = 1
+    enforce_eager: bool = True
+    quantization: Quantization = Quantization.none
+    kv_cache_dtype: KvCacheDtype = KvCacheDtype.auto
+    pd: PdConfig = field(default_factory=PdConfig)
+    startup_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)

@@ -1,0 +1,26 @@
+"""Where the SFT warm-start checkpoint of a config lives; RL starts from it."""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from primerl.config.schema import RunConfig
+from primerl.model.resolve import base_model_path
+
+
+def sft_checkpoint_dir(cfg: RunConfig) -> Path:
+    """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs."""
+    key = json.dumps(
+        [base_model_path(cfg), asdict(cfg.sft) | {"log_every": None}, cfg.env.id, cfg.env.args, cfg.seed],
+        sort_keys=True,
+        default=str,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(cfg.cache_dir)) / "sft" / f"{cfg.name}-{digest}"
+
+
+def initial_model_path(cfg: RunConfig) -> str:
+    """The weights RL starts from: the SFT checkpoint when SFT is enabled, else the base model."""
+    return str(sft_checkpoint_dir(cfg)) if cfg.sft.enabled else base_model_path(cfg)

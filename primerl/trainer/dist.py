@@ -1,0 +1,71 @@
+"""Process-group and FSDP2 set-up shared by every training entry point (SFT and RL).
+
+Runs the same under `torchrun --nproc-per-node N` and as a plain single process (world size 1, own rendezvous).
+Backend `auto` is NCCL when CUDA is present and gloo on CPU.
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str = "auto") -> DistInfo:
+    if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def data_mesh(info: DistInfo, dp_shard: int) -> DeviceMesh:
+    return init_device_mesh(info.device.type, (dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2: each decoder layer is its own unit (all-gathered just in time), the rest is the root unit."""
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,28 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One model cache per test session, shared by the in-process code and every subprocess."""
+    path = tmp_path_factory.mktemp("primerl-cache")
+    os.environ["PRIMERL_CACHE"] = str(path)
+    return path
+
+
+def run_module(module: str, *args: str, timeout: float = 600, env: dict | None = None,
+               torchrun: int = 0) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run `python -m module args` (or under torchrun with N processes) from the repo root."""
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
+               "-m", module, *args]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip

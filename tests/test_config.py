@@ -1,0 +1,87 @@
+"""Config composition of every experiment and group option, and one-line errors for bad input."""
+
+from pathlib import Path
+
+import pytest
+
+from primerl.config.cli import CONF_DIR, check, format_config_error
+from primerl.config.validate import ConfigError, resolve_dp_shard
+from tests.conftest import run_module
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+GROUP_OPTIONS = [
+    (group.name, option.stem)
+    for group in sorted(CONF_DIR.iterdir())
+    if group.is_dir() and group.name != "experiment"
+    for option in sorted(group.glob("*.yaml"))
+]
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment):
+    cfg = check([f"+experiment={experiment}"])
+    assert cfg.name == experiment
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("env", "verifiers"):
+        overrides.append("env.id=some-env")
+    if (group, option) == ("parallelism", "fsdp2_ep"):
+        overrides.append("model=tiny_moe")
+    check(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,fragment",
+    [
+        (["trainer.lr=1e-5"], "trainer.lr", "allowed keys: seq_len"),
+        (["trainer.seq_len=long"], "trainer.seq_len", "could not be converted to Integer"),
+        (["model.source=bogus"], "model.source", "expected one of [tiny, hub, path]"),
+        (["model=gpt9"], "model=gpt9", "available: qwen3_0_6b, tiny"),
+        (["orchestrator.batch_size=30"], "orchestrator.batch_size", "not divisible by orchestrator.group_size=8"),
+        (["orchestrator.async_level=-1"], "orchestrator.async_level", "must be >= 0"),
+        (["inference.host=0.0.0.0"], "inference.api_key", "not a loopback address"),
+        (["parallelism=fsdp2_ep"], "parallelism.ep", "needs a MoE model"),
+        (["model=tiny_moe", "parallelism.ep=3"], "parallelism.ep", "must divide model.arch.num_experts=4"),
+        (["env=verifiers"], "env.id", "is required"),
+        (["model.source=path"], "model.path", "required when model.source=path"),
+        (["sft.seq_len=4096"], "sft.seq_len", "exceeds model.arch.max_position_embeddings"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, key, fragment):
+    with pytest.raises(Exception) as info:
+        check(overrides)
+    line = format_config_error(info.value)
+    assert "\n" not in line
+    assert line.startswith(key), line
+    assert fragment in line, line
+
+
+def test_world_size_must_match_parallel_degrees():
+    cfg = check(["parallelism=fsdp2_cp"])
+    assert resolve_dp_shard(cfg, 4) == 2
+    with pytest.raises(ConfigError, match="does not equal the world size 3"):
+        cfg.parallelism.dp_shard = 2
+        resolve_dp_shard(cfg, 3)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["trainer.optim.lrr=1"], "primerl: config error: trainer.optim.lrr: Key 'lrr' not in 'OptimConfig'"),
+        (["-m", "orchestrator.group_size=8,7"], "primerl: config error: orchestrator.batch_size: 64 is not divisible"),
+    ],
+)
+def test_cli_prints_one_line_and_exits_2(args, expected):
+    result = run_module("primerl.sft", *args, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(expected), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_conf_groups_match_the_schema():
+    expected = {"model", "parallelism", "inference", "env", "trainer", "orchestrator", "launcher", "ledger", "experiment"}
+    assert {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()} == expected

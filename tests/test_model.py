@@ -1,0 +1,60 @@
+"""The tiny model and tokenizer are built locally and round-trip through transformers."""
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from primerl.model.config import TinyArchConfig
+from primerl.model.tiny import build_tiny_model, build_tokenizer, tiny_model_dir
+
+
+def test_tokenizer_is_byte_level_and_lossless():
+    tok = build_tokenizer()
+    text = "héllo wörld ✓ 12"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 258
+
+
+def test_chat_template_renders_and_prompt_is_a_prefix():
+    tok = build_tokenizer()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "abc"}]
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
+    full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "cba"}], tokenize=False)
+    assert full.startswith(prompt)
+
+
+def test_tiny_model_round_trip(cache_dir):
+    arch = TinyArchConfig()
+    path = build_tiny_model(str(cache_dir), arch, init_seed=3)
+    assert path == tiny_model_dir(str(cache_dir), arch, 3, "float32")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in path.iterdir()
+    }
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == "qwen3"
+    assert model.config.hidden_size == arch.hidden_size
+    assert tok.decode(tok.encode("abc", add_special_tokens=False)) == "abc"
+    # weights on disk are what the model holds, and a second build is a cache hit with the same weights
+    saved = load_file(path / "model.safetensors")
+    for name, param in model.state_dict().items():
+        if name in saved:
+            torch.testing.assert_close(param, saved[name])
+    assert build_tiny_model(str(cache_dir), arch, init_seed=3) == path
+    other = build_tiny_model(str(cache_dir), arch, init_seed=4)
+    assert other != path
+    w3 = saved["model.embed_tokens.weight"]
+    w4 = load_file(other / "model.safetensors")["model.embed_tokens.weight"]
+    assert not torch.equal(w3, w4)
+    ids = torch.tensor([tok.encode("hello", add_special_tokens=False)])
+    logits = model(ids).logits
+    assert logits.shape == (1, 5, arch.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_tiny_moe_builds(cache_dir):
+    arch = TinyArchConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(str(cache_dir), arch, init_seed=0))
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4

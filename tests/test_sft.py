@@ -1,0 +1,76 @@
+"""SFT data (assistant-only masks, packing) and FSDP2 SFT runs on 1 and 2 gloo ranks."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
+from primerl.model.config import TinyArchConfig
+from primerl.model.tiny import build_tiny_model, build_tokenizer
+from primerl.sft.__main__ import packed_loss_sum
+from primerl.sft.data import IGNORE, chat_example, pack
+from tests.conftest import run_module
+
+
+def _examples(n: int, seed: int = 0):
+    tok = build_tokenizer()
+    return tok, [chat_example(tok, prompt_messages(t), t[::-1]) for t in make_texts(seed, n)]
+
+
+def test_chat_example_masks_only_the_answer():
+    tok, (ex,) = _examples(1)
+    answer_ids = [i for i, m in zip(ex.input_ids, ex.loss_mask) if m]
+    assert tok.decode(answer_ids) == make_texts(0, 1)[0][::-1] + "<|im_end|>"
+    assert not any(ex.loss_mask[: ex.loss_mask.index(True)])
+
+
+def test_pack_invariants():
+    tok, examples = _examples(40)
+    batch = pack(examples, seq_len=256, pad_id=tok.pad_token_id)
+    assert batch.input_ids.shape[1] == 256
+    assert batch.num_loss_tokens + batch.labels[:, 0].ne(IGNORE).sum() == sum(sum(e.loss_mask) for e in examples)
+    # every sample appears once, contiguous, with positions restarting at 0
+    starts = (batch.position_ids == 0).sum().item()
+    assert starts >= len(examples)
+    flat = [t for row in batch.input_ids.tolist() for t in row]
+    packed_text = bytes(t for t in flat if t < 256).decode()
+    for ex in examples:
+        assert bytes(t for t in ex.input_ids if t < 256).decode() in packed_text
+    assert batch.input_ids.shape[0] < len(examples)  # several samples share a row
+    with pytest.raises(ValueError, match="does not fit"):
+        pack(examples, seq_len=8, pad_id=0)
+
+
+def test_packed_loss_equals_per_sample_loss(cache_dir):
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(str(cache_dir), TinyArchConfig(), 0))
+    tok, examples = _examples(6)
+    packed = packed_loss_sum(model, pack(examples, 256, tok.pad_token_id))
+    separate = sum(packed_loss_sum(model, pack([ex], len(ex.input_ids), tok.pad_token_id)) for ex in examples)
+    assert packed.item() == pytest.approx(separate.item(), rel=1e-4)
+
+
+def test_lcs_ratio():
+    assert lcs_ratio("cba", "abc") == 1.0
+    assert lcs_ratio("", "abc") == 0.0
+    assert lcs_ratio(" cxa\n", "abc") == pytest.approx(2 * 2 / 6)
+
+
+@pytest.mark.slow
+def test_sft_one_rank_equals_two_ranks(tmp_path):
+    args = ["+experiment=reverse_text", "sft.steps=4", "sft.batch_size=8", "sft.num_eval=4", "sft.warmup_steps=2"]
+    losses = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"np{nproc}"
+        result = run_module("primerl.sft", *args, f"cache_dir={out}/cache", f"hydra.run.dir={out}",
+                            torchrun=nproc, timeout=600)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics = json.loads((out / "sft_metrics.json").read_text())
+        assert metrics["world_size"] == nproc
+        assert (out / "cache" / "sft").is_dir()
+        losses[nproc] = metrics["losses"]
+        assert "sft:" in result.stderr  # the progress bar
+    assert len(losses[1]) == 4
+    torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-4, atol=1e-5)
+    assert losses[1][-1] < losses[1][0]
