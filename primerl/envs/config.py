@@ -8,5 +8,7 @@ from omegaconf import MISSING
 
 @dataclass
 class EnvConfig:
-    id: str = MISSING  # set by the env group; `env=verifiers` asks for it on the command line
-    args: dict[str, Any] = field(default_factory=dict)
+    id: str = MISSING  # a verifiers taskset id; `env=verifiers` asks for it on the command line
+    harness: str = "primerl-chat"  # in-process chat loop: no uv, sandbox or network per rollout
+    runtime: str = "subprocess"
+    args: dict[str, Any] = field(default_factory=dict)  # the taskset's own config fields

@@ -3,14 +3,25 @@
 import random
 import string
 
-SYSTEM_PROMPT = "Reverse the text character by character."
+SYSTEM_PROMPT = "Reverse the text."
+
+
+def stream_seed(seed: int, stream: str, chunk: int = 0) -> str:
+    """Seeds of disjoint text streams for one run seed: "sft" (training pairs), "eval" (held out), "rl" (tasks)."""
+    return f"{seed}/{stream}/{chunk}"
 ALPHABET = string.ascii_lowercase
 
 
-def make_texts(seed: int, count: int, min_len: int = 5, max_len: int = 12) -> list[str]:
-    """`count` random lowercase strings; the same seed always gives the same list."""
+def make_texts(seed: int | str, count: int, min_len: int = 3, max_len: int = 8) -> list[str]:
+    """`count` random strings of distinct lowercase letters; the same seed always gives the same list.
+
+    Letters do not repeat within a text, so every output position has one unambiguous source position: a tiny
+    model learns the reversal in minutes on a CPU instead of stalling on the letter-frequency plateau.
+    """
+    if not 1 <= min_len <= max_len <= len(ALPHABET):
+        raise ValueError(f"need 1 <= min_len <= max_len <= {len(ALPHABET)}, got {min_len}, {max_len}")
     rng = random.Random(seed)
-    return ["".join(rng.choices(ALPHABET, k=rng.randint(min_len, max_len))) for _ in range(count)]
+    return ["".join(rng.sample(ALPHABET, rng.randint(min_len, max_len))) for _ in range(count)]
 
 
 def prompt_messages(text: str) -> list[dict[str, str]]:

@@ -14,7 +14,6 @@ class ModelSource(Enum):
 class TinyArchConfig:
     """Qwen3 architecture knobs for the locally built model (dense when num_experts == 0)."""
 
-    vocab_size: int = 320  # 256 byte tokens + specials, padded
     hidden_size: int = 128
     num_hidden_layers: int = 4
     num_attention_heads: int = 4

@@ -60,7 +60,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def _hf_config(arch: TinyArchConfig, tokenizer: PreTrainedTokenizerFast, dtype: str):
     common = dict(
-        vocab_size=arch.vocab_size,
+        vocab_size=len(tokenizer),  # exactly the tokenizer: no id the policy can sample is undecodable
         hidden_size=arch.hidden_size,
         num_hidden_layers=arch.num_hidden_layers,
         num_attention_heads=arch.num_attention_heads,

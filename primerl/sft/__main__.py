@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import ConfigError, resolve_dp_shard
-from primerl.envs.reverse_text import make_texts, prompt_messages
+from primerl.envs.reverse_text import make_texts, prompt_messages, stream_seed
 from primerl.model.resolve import base_model_path
 from primerl.sft.checkpoint import sft_checkpoint_dir
 from primerl.sft.data import IGNORE, PackedBatch, chat_example, pack
@@ -35,7 +35,9 @@ from primerl.trainer.dist import (
 )
 from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoint
 
-EVAL_SEED_OFFSET = 1_000_003  # held-out texts come from a different stream than training texts
+
+def text_lengths(cfg: RunConfig) -> tuple[int, int]:
+    return int(cfg.env.args.get("min_len", 3)), int(cfg.env.args.get("max_len", 8))
 
 
 def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -75,8 +77,7 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     shard_model(model, data_mesh(info, dp))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
-    env_args = dict(cfg.env.args)
-    texts = make_texts(cfg.seed, cfg.sft.steps * cfg.sft.batch_size, **env_args)
+    texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * cfg.sft.batch_size, *text_lengths(cfg))
     losses: list[float] = []
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not info.is_main, dynamic_ncols=True)
     start = time.perf_counter()
@@ -121,7 +122,7 @@ def main(dict_cfg: DictConfig) -> None:
         losses = train_sft(cfg, info, out_dir)
         wall_s = time.perf_counter() - started
         if info.is_main:
-            eval_texts = make_texts(cfg.seed + EVAL_SEED_OFFSET, cfg.sft.num_eval, **dict(cfg.env.args))
+            eval_texts = make_texts(stream_seed(cfg.seed, "eval"), cfg.sft.num_eval, *text_lengths(cfg))
             from primerl.sft.evaluate import reverse_text_reward
 
             metrics = {

@@ -1,13 +1,13 @@
-"""SFT examples for chat tasks: assistant-only loss masks and sequence packing.
+"""SFT examples for chat tasks: assistant-only loss masks, packed with primerl.trainer.packing.
 
-Invariants of `pack`: every row has exactly `seq_len` tokens; `position_ids` restart at 0 at each packed sample
-(transformers turns that into a block-causal mask, so samples never attend to each other); `labels` are -100
-except on assistant tokens, shifted by the model; no sample is split across rows.
+`labels` are IGNORE (-100) except on assistant tokens; the loss shifts them by one.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from primerl.trainer.packing import pack_sequences
 
 IGNORE = -100
 
@@ -42,32 +42,10 @@ class PackedBatch:
 
 
 def pack(examples: list[Example], seq_len: int, pad_id: int) -> PackedBatch:
-    """Greedy first-fit packing in order; raises if one example is longer than a row."""
-    rows: list[list[Example]] = []
-    lengths: list[int] = []
-    for ex in examples:
-        if len(ex.input_ids) > seq_len:
-            raise ValueError(f"example of {len(ex.input_ids)} tokens does not fit seq_len={seq_len}")
-        for i, used in enumerate(lengths):
-            if used + len(ex.input_ids) <= seq_len:
-                rows[i].append(ex)
-                lengths[i] += len(ex.input_ids)
-                break
-        else:
-            rows.append([ex])
-            lengths.append(len(ex.input_ids))
-    ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    labels = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
-    for r, row in enumerate(rows):
-        start = 0
-        for ex in row:
-            n = len(ex.input_ids)
-            ids[r, start : start + n] = torch.tensor(ex.input_ids)
-            pos[r, start : start + n] = torch.arange(n)
-            masked = [t if m else IGNORE for t, m in zip(ex.input_ids, ex.loss_mask)]
-            labels[r, start : start + n] = torch.tensor(masked)
-            start += n
-        # padding continues positions so it forms one more (ignored) segment
-        pos[r, start:] = torch.arange(seq_len - start)
-    return PackedBatch(ids, pos, labels)
+    """Pack examples into rows of `seq_len` (see primerl.trainer.packing); raises if one example is too long."""
+    sequences = [
+        {"input_ids": ex.input_ids, "labels": [t if m else IGNORE for t, m in zip(ex.input_ids, ex.loss_mask)]}
+        for ex in examples
+    ]
+    rows = pack_sequences(sequences, seq_len, pad={"input_ids": pad_id, "labels": IGNORE})
+    return PackedBatch(rows["input_ids"], rows["position_ids"], rows["labels"])

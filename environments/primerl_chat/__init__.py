@@ -1,0 +1,46 @@
+"""`primerl-chat`: an in-process chat harness for verifiers v1.
+
+Every model call goes through the rollout's interception endpoint (so the train client records token ids,
+sampled mask and logprobs), but no program is launched: no `uv`, no sandbox, no network. It supports multi-turn
+exchanges: the default `resume()` relaunches it on the accreted conversation.
+"""
+
+import verifiers.v1 as vf
+from openai import AsyncOpenAI
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.runtimes import ProgramResult
+
+
+class ChatHarnessConfig(vf.HarnessConfig):
+    id: str = "primerl-chat"
+
+
+class ChatHarness(vf.Harness[ChatHarnessConfig]):
+    APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_RESUME = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        system_prompt, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        elif prompt is not None:
+            messages += [message_to_wire(m) for m in prompt]
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+        return ProgramResult(exit_code=0, stdout=reply.choices[0].message.content or "", stderr="")
+
+
+def final_reply(trace: vf.Trace) -> str:
+    """The text of the last assistant message of the trace's last branch ("" if the model never answered)."""
+    if not trace.branches:
+        return ""
+    for message in reversed(trace.branches[-1].messages):
+        if message.role == "assistant":
+            return message.content if isinstance(message.content, str) else str(message.content or "")
+    return ""
+
+
+__all__ = ["ChatHarness", "ChatHarnessConfig"]

@@ -1,0 +1,89 @@
+"""Load a verifiers v1 environment from the `env` group and turn its episodes into trainable samples.
+
+Errors come back from verifiers as data (`ok=False`, `errors`), not exceptions; a rollout whose trace failed,
+timed out, or scored a non-finite reward becomes a counted `RolloutFailure`, never a sample.
+"""
+
+import math
+from dataclasses import dataclass
+
+import verifiers.v1 as vf
+from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+from primerl.config.validate import ConfigError
+from primerl.envs.config import EnvConfig
+
+
+def env_config(cfg: EnvConfig) -> dict:
+    return {
+        "taskset": {"id": cfg.id, **dict(cfg.args)},
+        "agent": {"runtime": {"type": cfg.runtime}, "harness": {"id": cfg.harness}},
+    }
+
+
+def load_env(cfg: EnvConfig) -> vf.Env:
+    """The verifiers env for `cfg`; an unknown id or bad args is a ConfigError naming the key."""
+    try:
+        return load_environment(resolve_env_config(env_config(cfg)))
+    except ModuleNotFoundError as err:
+        raise ConfigError("env.id", f"no installed verifiers environment '{cfg.id}' ({err})") from err
+    except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+        first = str(err).splitlines()
+        raise ConfigError("env.args", " ".join(line.strip() for line in first[:3])) from err
+
+
+@dataclass
+class ScoredBranch:
+    token_ids: list[int]
+    sampled_mask: list[bool]
+    logprobs: list[float]
+
+
+@dataclass
+class Rollout:
+    """One finished, scored rollout (one trace) with its trainable branches."""
+
+    reward: float
+    rewards: dict[str, float]
+    branches: list[ScoredBranch]
+    completion: str
+
+
+@dataclass
+class RolloutFailure:
+    reason: str
+
+
+def _branch(branch) -> ScoredBranch | None:
+    ids, mask, logprobs = list(branch.token_ids), list(branch.sampled_mask), list(branch.logprobs or [])
+    if not ids or len(mask) != len(ids) or len(logprobs) != len(ids) or not any(mask):
+        return None
+    return ScoredBranch(ids, [bool(m) for m in mask], [float(x) for x in logprobs])
+
+
+def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:
+    """One entry per trainable trace of the episode."""
+    traces = [t for t in episode.traces if t.agent.trainable] or [None]
+    out: list[Rollout | RolloutFailure] = []
+    for trace in traces:
+        if trace is None:
+            errors = "; ".join(e.message.splitlines()[0] for e in episode.errors) or "no trace"
+            out.append(RolloutFailure(f"episode failed: {errors[:300]}"))
+            continue
+        if not trace.ok or trace.errors:
+            first = trace.errors[0].message.splitlines()[0] if trace.errors else trace.stop_condition
+            out.append(RolloutFailure(f"trace failed: {str(first)[:300]}"))
+            continue
+        reward = trace.reward
+        if reward is None or not math.isfinite(reward):
+            out.append(RolloutFailure(f"non-finite reward {reward!r}"))
+            continue
+        branches = [b for b in (_branch(br) for br in trace.branches if br.trainable) if b is not None]
+        if not branches:
+            out.append(RolloutFailure("no trainable tokens (token ids, mask and logprobs missing or misaligned)"))
+            continue
+        scores = {name: r.score for name, r in trace.rewards.items() if r is not None}
+        last = next((m for m in reversed(trace.branches[-1].messages) if m.role == "assistant"), None)
+        completion = last.content if last is not None and isinstance(last.content, str) else ""
+        out.append(Rollout(float(reward), scores, branches, completion))
+    return out

@@ -1,0 +1,59 @@
+"""`python -m primerl.inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
+
+Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
+else the base model. Prints the base URL once ready.
+"""
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.validate import ConfigError
+from primerl.inference.server import (
+    InferenceStartError,
+    VllmServer,
+    check_supported,
+    render_specs,
+    resolve_device,
+)
+from primerl.sft.checkpoint import initial_model_path
+
+
+@hydra_app()
+def main(dict_cfg: DictConfig) -> None:
+    cfg = to_run_config(dict_cfg)
+    device = resolve_device(cfg.inference)
+    try:
+        check_supported(cfg.inference, device)
+    except ConfigError as err:
+        print(f"primerl: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    model_path = initial_model_path(cfg)
+    if not Path(model_path).exists() and cfg.model.source.value != "hub":
+        print(f"primerl: model {model_path} does not exist; run `python -m primerl.sft` first", file=sys.stderr)
+        sys.exit(2)
+    servers = [VllmServer(spec, Path(cfg.output_dir) / f"vllm-{spec.port}.log", cfg.inference.api_key)
+               for spec in render_specs(cfg, model_path, device)]  # fmt: skip
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        for server in servers:
+            server.start(cfg.inference.startup_timeout_s)
+            print(f"inference: serving {model_path} at {server.base_url}", flush=True)
+        while all(s.process.poll() is None for s in servers):
+            time.sleep(1.0)
+        print("inference: a vLLM server exited", file=sys.stderr)
+        sys.exit(1)
+    except InferenceStartError as err:
+        print(f"inference: {err}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

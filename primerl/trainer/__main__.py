@@ -1,0 +1,121 @@
+"""`python -m primerl.trainer` (or `torchrun --nproc-per-node N -m primerl.trainer`): the FSDP2 RL trainer.
+
+For step n = start..max_steps-1: wait for the orchestrator's batch n, train on it (micro-batches dealt round-robin
+over ranks; every rank runs the same number of forward/backward passes, padding with zero-weight ones), clip,
+AdamW step, then publish the weights as policy version n+1 (`<run>/weights/step_<n+1>`, atomic, STABLE-marked)
+for the inference server to load. A restarted trainer resumes from the newest published version.
+"""
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from transformers import AutoModelForCausalLM
+
+from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.schema import RunConfig
+from primerl.config.validate import resolve_dp_shard
+from primerl.metrics import append_metrics
+from primerl.sft.checkpoint import initial_model_path
+from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, data_mesh, init_distributed, shard_model
+from primerl.trainer.loss import policy_loss
+from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
+from primerl.transport import latest_stable_version, read_rollout_batch, rollout_path, weights_path
+
+KEEP_WEIGHT_VERSIONS = 3  # the orchestrator may still be loading the previous one
+
+
+def wait_for_batch(run_dir: Path, step: int, poll_s: float = 0.2) -> tuple[Path, float]:
+    path, started, last_note = rollout_path(run_dir, step), time.perf_counter(), time.monotonic()
+    while not path.exists():
+        time.sleep(poll_s)
+        if time.monotonic() - last_note > 60:
+            print(f"trainer: still waiting for batch {step} ({path})", flush=True)
+            last_note = time.monotonic()
+    return path, time.perf_counter() - started
+
+
+def rank_micro_batches(micro: list[dict[str, torch.Tensor]], info: DistInfo) -> list[dict[str, torch.Tensor]]:
+    """This rank's share, padded with loss-free copies so every rank runs ceil(len/world) passes."""
+    per_rank = -(-len(micro) // info.world_size)
+    mine = micro[info.rank :: info.world_size]
+    while len(mine) < per_rank:
+        mine.append({**micro[0], "loss_mask": torch.zeros_like(micro[0]["loss_mask"])})
+    return mine
+
+
+def train(cfg: RunConfig, info: DistInfo) -> None:
+    run_dir = Path(cfg.output_dir)
+    dp = resolve_dp_shard(cfg, info.world_size)
+    start = latest_stable_version(run_dir) or 0
+    source = str(weights_path(run_dir, start)) if start else initial_model_path(cfg)
+    if info.is_main:
+        print(f"trainer: starting at step {start} from {source} on {info.world_size} rank(s)", flush=True)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, cfg.model.dtype)).to(info.device)
+    model.train()
+    shard_model(model, data_mesh(info, dp))
+    opt = cfg.trainer.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas))
+    base = initial_model_path(cfg)
+    for step in range(start, cfg.trainer.max_steps):
+        path, waited = wait_for_batch(run_dir, step)
+        t0 = time.perf_counter()
+        batch = read_rollout_batch(path)
+        totals = {"kl": 0.0, "masked": 0.0, "entropy": 0.0, "tokens": 0.0, "loss": 0.0}
+        for micro in rank_micro_batches(batch.micro_batches, info):
+            micro = {k: v.to(info.device) for k, v in micro.items()}
+            logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
+            parts = policy_loss(logits, micro, batch.num_loss_tokens, cfg.trainer.loss, cfg.orchestrator.temperature)
+            # FSDP2 averages gradients over ranks; the loss is already a share of the global mean
+            (parts.loss * info.world_size).backward()
+            totals["loss"] += parts.loss.item()
+            totals["kl"] += parts.mismatch_kl_sum
+            totals["masked"] += parts.masked_tokens
+            totals["entropy"] += parts.entropy_sum
+            totals["tokens"] += parts.tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        totals = {k: all_reduce_sum(v, info.device) for k, v in totals.items()}
+        state = full_state_dict(model)
+        if info.is_main:
+            save_hf_checkpoint(state, base, weights_path(run_dir, step + 1))
+            stale = weights_path(run_dir, step + 1 - KEEP_WEIGHT_VERSIONS)
+            if step + 1 - KEEP_WEIGHT_VERSIONS > 0 and stale.exists():
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+        step_s = time.perf_counter() - t0
+        tokens = max(totals["tokens"], 1.0)
+        metrics = {
+            "loss": totals["loss"],
+            "mismatch_kl": totals["kl"] / tokens,
+            "masked_fraction": totals["masked"] / tokens,
+            "entropy": totals["entropy"] / tokens,
+            "grad_norm": float(grad_norm),
+            "time/step_s": step_s,
+            "time/wait_batch_s": waited,
+            "throughput/tokens_per_s": sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
+            "batch/min_policy_version": float(batch.min_policy_version),
+        }
+        if info.is_main:
+            append_metrics(run_dir, "trainer", step, metrics)
+            print(f"trainer: step {step}: loss {metrics['loss']:+.4f} mismatch_kl {metrics['mismatch_kl']:.2e} "
+                  f"grad_norm {metrics['grad_norm']:.3f} ({step_s:.1f}s, waited {waited:.1f}s)", flush=True)  # fmt: skip
+
+
+@hydra_app()
+def main(dict_cfg: DictConfig) -> None:
+    cfg = to_run_config(dict_cfg)
+    info = init_distributed(cfg.parallelism.backend)
+    try:
+        train(cfg, info)
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    main()

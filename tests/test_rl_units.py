@@ -1,0 +1,111 @@
+"""Advantages, RL batch packing, the loss against a hand computation, the staleness bound, the batch wire format."""
+
+import math
+
+import pytest
+import torch
+
+from primerl.orchestrator.advantages import group_advantages
+from primerl.orchestrator.batch import build_batch, drop_stale, required_policy_version
+from primerl.trainer.config import LossConfig
+from primerl.trainer.loss import policy_loss
+from primerl.transport import RolloutBatch, Sample, read_rollout_batch, rollout_path, write_rollout_batch
+
+
+def _sample(n_prompt: int, n_completion: int, adv: float, version: int = 0, start: int = 1) -> Sample:
+    ids = list(range(start, start + n_prompt + n_completion))
+    mask = [False] * n_prompt + [True] * n_completion
+    logprobs = [0.0] * n_prompt + [-0.5] * n_completion
+    return Sample(ids, mask, logprobs, reward=adv, advantage=adv, policy_version=version)
+
+
+def test_group_advantages_are_centered():
+    adv = group_advantages([1.0, 0.0, 0.5, 0.5])
+    assert adv == [0.5, -0.5, 0.0, 0.0]
+    assert sum(group_advantages([0.2, 0.9, 0.4])) == pytest.approx(0.0)
+    assert group_advantages([0.7, 0.7]) == [0.0, 0.0]  # no signal in a uniform group
+    assert group_advantages([]) == []
+
+
+def test_build_batch_packing_invariants():
+    samples = [_sample(5, 3, 0.5, start=10 * i) for i in range(7)]
+    batch = build_batch(samples, step=3, seq_len=20, micro_batch_size=2, pad_id=0)
+    assert batch.step == 3 and batch.num_samples == 7
+    rows = torch.cat([mb["input_ids"] for mb in batch.micro_batches])
+    assert rows.shape[1] == 20 and rows.shape[0] == 4  # 7 sequences of 8 tokens: 2 per row
+    assert all(mb["input_ids"].shape[0] <= 2 for mb in batch.micro_batches)
+    mask = torch.cat([mb["loss_mask"] for mb in batch.micro_batches])
+    assert int(mask.sum()) == 7 * 3  # every sampled token, nothing else
+    assert batch.num_loss_tokens == 7 * 3  # no sampled token sits first in a row
+    adv = torch.cat([mb["advantages"] for mb in batch.micro_batches])
+    assert torch.all(adv[mask] == 0.5)
+    pos = torch.cat([mb["position_ids"] for mb in batch.micro_batches])
+    assert int((pos == 0).sum()) >= 7  # each sequence restarts its positions
+    with pytest.raises(ValueError, match="no samples"):
+        build_batch([], step=0, seq_len=20, micro_batch_size=2, pad_id=0)
+
+
+def test_staleness_bound_is_enforced():
+    assert required_policy_version(5, 0) == 5
+    assert required_policy_version(5, 2) == 3
+    assert required_policy_version(1, 3) == 0
+    samples = [_sample(2, 2, 0.1, version=v) for v in (0, 1, 2, 3, 4)]
+    kept, dropped = drop_stale(samples, step=4, async_level=1)
+    assert [s.policy_version for s in kept] == [3, 4] and dropped == 3
+    kept, dropped = drop_stale(samples, step=4, async_level=0)
+    assert [s.policy_version for s in kept] == [4] and dropped == 4
+
+
+def test_loss_matches_hand_computation():
+    torch.manual_seed(0)
+    vocab, T = 7, 6
+    logits = torch.randn(1, T, vocab, requires_grad=True)
+    input_ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[False, False, False, True, True, True]])
+    inf_lp = torch.tensor([[0.0, 0.0, 0.0, -1.0, -2.0, -30.0]])  # last token: ratio far above the region
+    adv = torch.full((1, T), 0.7)
+    micro = {"input_ids": input_ids, "loss_mask": mask, "inference_logprobs": inf_lp, "advantages": adv}
+    cfg = LossConfig(mask_ratio_low=0.125, mask_ratio_high=8.0)
+    parts = policy_loss(logits, micro, total_tokens=3, cfg=cfg)
+
+    expected, kl, masked = 0.0, 0.0, 0
+    logp_all = torch.log_softmax(logits.detach(), -1)
+    for t in (3, 4, 5):  # token t is predicted from position t-1
+        logp = logp_all[0, t - 1, input_ids[0, t]].item()
+        ratio = math.exp(logp - inf_lp[0, t].item())
+        kl += ratio - 1 - (logp - inf_lp[0, t].item())
+        if 0.125 <= ratio <= 8.0:
+            expected += -ratio * 0.7
+        else:
+            masked += 1
+    expected /= 3
+    assert parts.loss.item() == pytest.approx(expected, rel=1e-5)
+    assert parts.masked_tokens == masked == 1
+    assert parts.tokens == 3
+    assert parts.mismatch_kl_sum == pytest.approx(kl, rel=1e-5)
+    parts.loss.backward()
+    assert logits.grad[0, 4].abs().sum() == 0  # the masked token's position gets no gradient
+    assert logits.grad[0, 2].abs().sum() > 0
+
+
+def test_zero_advantage_gives_zero_gradient():
+    logits = torch.randn(1, 4, 5, requires_grad=True)
+    micro = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "loss_mask": torch.tensor([[False, True, True, True]]),
+             "inference_logprobs": torch.full((1, 4), -1.6), "advantages": torch.zeros(1, 4)}  # fmt: skip
+    policy_loss(logits, micro, 3, LossConfig()).loss.backward()
+    assert logits.grad.abs().sum() == 0
+
+
+def test_rollout_batch_round_trip(tmp_path):
+    samples = [_sample(4, 4, 0.25 * i, version=2, start=i) for i in range(5)]
+    batch = build_batch(samples, step=7, seq_len=16, micro_batch_size=1, pad_id=0, metrics={"reward/mean": 0.4})
+    path = write_rollout_batch(tmp_path, batch)
+    assert path == rollout_path(tmp_path, 7)
+    assert not list(path.parent.glob(".step-*"))  # no temporary left behind
+    back = read_rollout_batch(path)
+    assert isinstance(back, RolloutBatch)
+    assert (back.step, back.num_samples, back.num_loss_tokens, back.min_policy_version) == (7, 5, 20, 2)
+    assert back.metrics == {"reward/mean": 0.4}
+    for a, b in zip(batch.micro_batches, back.micro_batches, strict=True):
+        for key in a:
+            assert torch.equal(a[key], b[key])
