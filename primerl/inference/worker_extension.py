@@ -28,9 +28,23 @@ class PrimerlWorkerExtension:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
 
-        self.model_runner.model.load_weights(weights=tensors())  # type: ignore[attr-defined]
+        # reload_weights (not model.load_weights): it restores checkpoint-format parameters first and re-runs the
+        # post-load processing, which on CPU repacks linear weights into kernel layout and frees the originals.
+        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._retie_lm_head()
         self.primerl_policy_version = int(version)
         return str(self.primerl_policy_version)
+
+    def _retie_lm_head(self) -> None:
+        """A tied LM head receives no weights of its own, so the reload puts its *old* tensors back; tie it to the
+        new embedding again and redo its post-load processing (on CPU that prepares the GEMM kernel)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+            return
+        head = model.lm_head.tie_weights(model.model.embed_tokens)
+        process = getattr(head.quant_method, "process_weights_after_loading", None)
+        if process is not None:
+            process(head)
 
     def primerl_get_policy_version(self) -> str:
         return str(self.primerl_policy_version)
