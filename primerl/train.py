@@ -6,8 +6,10 @@ logs/, metrics/, rollouts/ and weights/.
 """
 
 import sys
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
@@ -18,15 +20,27 @@ from primerl.launch.local import ChildFailed, run_local
 @hydra_app()
 def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("output_dir=")]
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("output_dir=")]
+    ledger = None
+    status = "FAILED"
     try:
         from primerl.config.validate import resolve_dp_shard
         from primerl.envs.verifiers_env import load_env
 
         load_env(cfg.env)  # an unknown env id or bad env args fail here, before any process starts
         resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
+        if cfg.ledger.enabled:
+            from primerl.ledger.mlflow_ledger import Ledger
+
+            multirun = hydra_cfg.mode == RunMode.MULTIRUN
+            ledger = Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve(),
+                                 sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
+                                 job_num=hydra_cfg.job.num if multirun else None)  # fmt: skip
+            print(f"train: ledger run {ledger.run_id} in {ledger.client.tracking_uri}", flush=True)
         if cfg.launcher.name == "local":
-            run_local(cfg, overrides)
+            run_local(cfg, overrides, ledger)
+            status = "FINISHED"
         else:
             raise ConfigError("launcher.name", f"'{cfg.launcher.name}' is not available yet; use launcher=local")
     except ConfigError as err:
@@ -36,8 +50,21 @@ def main(dict_cfg: DictConfig) -> None:
         print(f"train: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
+        status = "KILLED"
         print("train: interrupted; all processes stopped", file=sys.stderr)
         sys.exit(130)
+    finally:
+        if ledger is not None:
+            ledger.finish(status)
+    return final_reward(cfg)
+
+
+def final_reward(cfg) -> float | None:
+    """The mean reward of the last step: what a Hydra sweeper (e.g. Optuna) optimises."""
+    from primerl.metrics import read_metrics
+
+    rows = [r for r in read_metrics(cfg.output_dir, "orchestrator") if r.get("reward/mean") is not None]
+    return rows[-1]["reward/mean"] if rows else None
 
 
 if __name__ == "__main__":

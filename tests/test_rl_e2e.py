@@ -41,7 +41,8 @@ def _pids_mentioning(text: str) -> list[int]:
 def _train(run_dir, *overrides, steps=3):
     return run_module("primerl.train", "+experiment=reverse_text", "sft.enabled=false", f"trainer.max_steps={steps}",
                       "orchestrator.batch_size=16", "orchestrator.group_size=4", f"inference.port={free_port()}",
-                      f"hydra.run.dir={run_dir}", *overrides, timeout=900)  # fmt: skip
+                      f"hydra.run.dir={run_dir}", f"ledger.store_dir={run_dir.parent / 'ledger'}", *overrides,
+                      timeout=900)  # fmt: skip
 
 
 def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
@@ -64,6 +65,31 @@ def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
     samples = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
     assert samples and {"task", "completion", "reward"} <= set(samples[0])
     assert _pids_mentioning(str(run)) == []  # every child stopped
+    _check_ledger(run, trainer)
+
+
+def _check_ledger(run, trainer_rows):
+    """The run's MLflow record: params, tags, metrics by step, artifacts, checkpoint."""
+    from mlflow.tracking import MlflowClient
+
+    record = json.loads((run / "ledger.json").read_text())
+    client = MlflowClient(record["tracking_uri"])
+    mlrun = client.get_run(record["run_id"])
+    assert mlrun.info.status == "FINISHED"
+    params, tags = mlrun.data.params, mlrun.data.tags
+    assert params["trainer.max_steps"] == "3" and params["orchestrator.group_size"] == "4"
+    assert params["env.id"] == "reverse-text"
+    for key in ("seed", "git.commit", "cpu.model", "cpu.count", "gpu.model", "version.torch", "version.verifiers",
+                "version.transformers", "host.name", "checkpoint.final"):  # fmt: skip
+        assert tags.get(key), key
+    assert tags["gpu.model"] == "none" and tags["checkpoint.final"].endswith("step_000003")
+    history = client.get_metric_history(record["run_id"], "trainer/loss")
+    assert [m.step for m in history] == [0, 1, 2]
+    assert [m.value for m in history] == pytest.approx([r["loss"] for r in trainer_rows])
+    assert len(client.get_metric_history(record["run_id"], "orchestrator/reward/mean")) == 3
+    artifacts = {a.path for a in client.list_artifacts(record["run_id"])}
+    assert {"config", "reward.png", "samples"} <= artifacts
+    assert (run / "reward.png").stat().st_size > 1000
 
 
 def test_synchronous_run_trains_on_the_current_policy(cache_dir, tmp_path):
@@ -89,7 +115,7 @@ def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
            "trainer.max_steps=50", "orchestrator.batch_size=16", "orchestrator.group_size=4",
-           f"inference.port={free_port()}", f"hydra.run.dir={run}"]  # fmt: skip
+           f"inference.port={free_port()}", f"hydra.run.dir={run}", "ledger.enabled=false"]  # fmt: skip
     train = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600

@@ -64,6 +64,7 @@ def test_sft_one_rank_equals_two_ranks(tmp_path):
     for nproc in (1, 2):
         out = tmp_path / f"np{nproc}"
         result = run_module("primerl.sft", *args, f"cache_dir={out}/cache", f"hydra.run.dir={out}",
+                            f"ledger.store_dir={tmp_path}/ledger",
                             torchrun=nproc, timeout=600)  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         metrics = json.loads((out / "sft_metrics.json").read_text())
@@ -71,6 +72,7 @@ def test_sft_one_rank_equals_two_ranks(tmp_path):
         assert (out / "cache" / "sft").is_dir()
         losses[nproc] = metrics["losses"]
         assert "sft:" in result.stderr  # the progress bar
+        assert json.loads((out / "ledger.json").read_text())["run_id"]  # standalone SFT keeps an MLflow record
     assert len(losses[1]) == 4
     torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-4, atol=1e-5)
     assert losses[1][-1] < losses[1][0]

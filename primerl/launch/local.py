@@ -12,9 +12,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
 from primerl.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from primerl.ledger.mlflow_ledger import Ledger
 
 GRACE_S = 20.0
 
@@ -97,15 +101,23 @@ def run_sft(cfg: RunConfig, overrides: list[str], run_dir: Path) -> None:
             print(f"train: SFT warm-start found at {target}", flush=True)
         return
     print(f"train: SFT warm-start ({cfg.sft.steps} steps) -> {target}", flush=True)
-    cmd = module_command("primerl.sft", overrides, run_dir / "sft", cfg.launcher.trainer_tasks_per_node)
+    # the train run's ledger records the SFT results; the SFT process keeps none of its own
+    cmd = module_command("primerl.sft", [*overrides, "ledger.enabled=false"], run_dir / "sft",
+                         cfg.launcher.trainer_tasks_per_node)  # fmt: skip
     if subprocess.run(cmd, env=child_env()).returncode != 0:
         raise ChildFailed("SFT warm-start failed (its output is above)")
 
 
-def run_local(cfg: RunConfig, overrides: list[str]) -> None:
+def run_local(cfg: RunConfig, overrides: list[str], ledger: "Ledger | None" = None) -> None:
+    from primerl.ledger.mlflow_ledger import MetricsFollower
+    from primerl.ledger.record import record_artifacts, record_sft
+
     run_dir = Path(cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     run_sft(cfg, overrides, run_dir)
+    follower = MetricsFollower(ledger) if ledger else None
+    if ledger:
+        record_sft(ledger, run_dir / "sft" / "sft_metrics.json")
     launcher = LocalLauncher(run_dir)
     cpu = cfg.inference.device == "cpu" or (cfg.inference.device == "auto" and not _has_cuda())
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -125,6 +137,8 @@ def run_local(cfg: RunConfig, overrides: list[str]) -> None:
                 if code not in (None, 0):
                     raise ChildFailed(f"{child.name} exited with code {code}; last lines of {child.log}:\n{child.tail()}")
             shown = _print_progress(run_dir, cfg, shown)
+            if follower:
+                follower.poll()
             if trainer.process.poll() == 0 and orchestrator.process.poll() == 0:
                 break
             if inference.process.poll() is not None:
@@ -135,6 +149,9 @@ def run_local(cfg: RunConfig, overrides: list[str]) -> None:
     finally:
         launcher.stop_all()
         signal.signal(signal.SIGTERM, previous)
+        if follower and ledger:  # whatever happened, the record keeps everything produced so far
+            follower.poll()
+            record_artifacts(ledger, cfg, run_dir)
 
 
 def _has_cuda() -> bool:

@@ -134,7 +134,16 @@ def main(dict_cfg: DictConfig) -> None:
                 "checkpoint": str(out_dir),
             }
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.output_dir) / "sft_metrics.json").write_text(json.dumps(metrics, indent=2))
+            metrics_file = Path(cfg.output_dir) / "sft_metrics.json"
+            metrics_file.write_text(json.dumps(metrics, indent=2))
+            if cfg.ledger.enabled:
+                from primerl.ledger.mlflow_ledger import Ledger
+                from primerl.ledger.record import record_sft
+
+                ledger = Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve(), kind="sft")
+                record_sft(ledger, metrics_file)
+                ledger.log_artifact(Path(cfg.output_dir) / ".hydra" / "config.yaml", "config")
+                ledger.finish()
             print(f"sft: held-out reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f} "
                   f"in {wall_s:.0f}s; checkpoint {out_dir}")  # fmt: skip
     finally:

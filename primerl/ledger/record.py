@@ -1,0 +1,48 @@
+"""What the launching process records for a run, on top of the live metrics: SFT results, artifacts, checkpoints."""
+
+import json
+from pathlib import Path
+
+from primerl.config.schema import RunConfig
+from primerl.ledger.mlflow_ledger import Ledger
+from primerl.metrics import read_metrics
+from primerl.plot import plot_curves
+from primerl.transport import latest_stable_version, weights_path
+
+
+def record_sft(ledger: Ledger, metrics_file: Path) -> None:
+    if not metrics_file.exists():
+        return
+    sft = json.loads(metrics_file.read_text())
+    for step, loss in enumerate(sft.get("losses", [])):
+        ledger.log_metrics(step, {"loss": loss}, "sft/")
+    ledger.log_metrics(0, {k: sft[k] for k in ("reward_before", "reward_after", "train_wall_s") if k in sft}, "sft/")
+    ledger.set_tags({"checkpoint.sft": sft.get("checkpoint", "")})
+
+
+def reward_plot(run_dir: Path, title: str) -> Path | None:
+    points = [(r["step"], r["reward/mean"]) for r in read_metrics(run_dir, "orchestrator") if r.get("reward/mean") is not None]
+    if not points:
+        return None
+    return plot_curves({"reward/mean": points}, run_dir / "reward.png", title=title)
+
+
+def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
+    """Resolved config, the reward plot, sample rollouts every `ledger.sample_every` steps, checkpoint paths."""
+    ledger.log_artifact(run_dir / ".hydra" / "config.yaml", "config")
+    ledger.log_artifact(run_dir / ".hydra" / "overrides.yaml", "config")
+    plot = reward_plot(run_dir, f"{cfg.name}: mean reward per step")
+    if plot is not None:
+        ledger.log_artifact(plot)
+    samples_file = run_dir / "rollouts" / "samples.jsonl"
+    if samples_file.exists():
+        by_step: dict[int, list[dict]] = {}
+        for line in samples_file.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).append(row)
+        for step, rows in sorted(by_step.items()):
+            if step % max(1, cfg.ledger.sample_every) == 0 or step == max(by_step):
+                ledger.client.log_text(ledger.run_id, json.dumps(rows, indent=1), f"samples/step_{step:06d}.json")
+    latest = latest_stable_version(run_dir)
+    if latest is not None:
+        ledger.set_tags({"checkpoint.final": str(weights_path(run_dir, latest)), "checkpoint.final_step": str(latest)})

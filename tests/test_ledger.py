@@ -1,0 +1,118 @@
+"""The MLflow ledger on real stores: embedded sqlite, resume, sweep parent/children, a real `mlflow server`, compare."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from primerl.config.cli import check, compose
+from primerl.ledger.mlflow_ledger import Ledger, MetricsFollower, flatten
+from primerl.metrics import append_metrics
+from primerl.trainer.dist import free_port
+from tests.conftest import run_module
+
+
+def _cfg(tmp_path, *overrides):
+    overrides = (f"ledger.store_dir={tmp_path / 'store'}", *overrides)
+    cfg, resolved = check(list(overrides)), compose(list(overrides))
+    resolved.output_dir = "."
+    return cfg, resolved
+
+
+def test_flatten_keeps_every_leaf():
+    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": {}}) == {"a.b": "1", "a.c.d": "x", "e": "[1, 2]",
+                                                                            "f": "{}"}  # fmt: skip
+
+
+def test_run_record_and_resume_continue_the_same_run(tmp_path):
+    cfg, resolved = _cfg(tmp_path, "name=ledger_test", "seed=7")
+    run_dir = tmp_path / "run"
+    ledger = Ledger.open(cfg, resolved, run_dir)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    run = client.get_run(ledger.run_id)
+    assert run.data.params["seed"] == "7" and run.data.params["model.arch.hidden_size"] == "128"
+    assert run.data.tags["seed"] == "7" and run.data.tags["primerl.kind"] == "train"
+    assert client.get_experiment(run.info.experiment_id).name == "ledger_test"
+
+    append_metrics(run_dir, "trainer", 0, {"loss": 0.5})
+    append_metrics(run_dir, "trainer", 1, {"loss": 0.25, "bad": float("nan")})
+    MetricsFollower(ledger).poll()
+    ledger.finish("FAILED")  # e.g. the trainer was killed
+
+    resumed = Ledger.open(cfg, resolved, run_dir)
+    assert resumed.run_id == ledger.run_id
+    assert client.get_run(ledger.run_id).info.status == "RUNNING"
+    append_metrics(run_dir, "trainer", 2, {"loss": 0.125})
+    MetricsFollower(resumed).poll()  # forwards only the new line
+    history = client.get_metric_history(ledger.run_id, "trainer/loss")
+    assert [(m.step, m.value) for m in history] == [(0, 0.5), (1, 0.25), (2, 0.125)]
+    assert client.get_metric_history(ledger.run_id, "trainer/bad") == []  # NaN is not a metric
+
+
+def test_sweep_jobs_are_children_of_one_parent(tmp_path):
+    sweep = tmp_path / "sweep"
+    runs = []
+    for job, lr in enumerate(("1e-5", "3e-5")):
+        cfg, resolved = _cfg(tmp_path, "name=sweep_test", f"trainer.optim.lr={lr}")
+        runs.append(Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job))
+    client = runs[0].client
+    parents = {client.get_run(r.run_id).data.tags["mlflow.parentRunId"] for r in runs}
+    assert len(parents) == 1
+    parent = client.get_run(parents.pop())
+    assert parent.data.tags["primerl.kind"] == "sweep"
+    assert parent.info.experiment_id == client.get_run(runs[0].run_id).info.experiment_id
+
+
+def test_compare_prints_differences_and_plots(tmp_path):
+    sweep = tmp_path / "sweep"
+    for job, lr in enumerate(("1e-5", "3e-5")):
+        cfg, resolved = _cfg(tmp_path, "name=cmp", f"trainer.optim.lr={lr}")
+        ledger = Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job)
+        for step in range(3):
+            ledger.log_metrics(step, {"reward/mean": 0.1 * step * (job + 1)}, "orchestrator/")
+        ledger.finish()
+    plot = tmp_path / "cmp.png"
+    result = run_module("primerl.compare", "--store-dir", str(tmp_path / "store"), "--experiment", "cmp",
+                        "--sweep", str(sweep), "--plot", str(plot), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "2 run(s)" in result.stdout and "settings that differ: trainer.optim.lr" in result.stdout
+    assert "1e-05" in result.stdout and "3e-05" in result.stdout
+    assert "0.4" in result.stdout  # the second job's final reward, 0.1 * 2 * 2
+    assert plot.stat().st_size > 1000
+    missing = run_module("primerl.compare", "--store-dir", str(tmp_path / "nothing"), timeout=120)
+    assert missing.returncode == 2 and "no ledger" in missing.stderr
+
+
+@pytest.mark.slow
+def test_real_mlflow_server_on_loopback(tmp_path):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                               "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        cfg, resolved = _cfg(tmp_path, "name=server_test", f"ledger.tracking_uri=http://127.0.0.1:{port}")
+        ledger = Ledger.open(cfg, resolved, tmp_path / "run")
+        ledger.log_metrics(0, {"reward/mean": 0.25}, "orchestrator/")
+        (tmp_path / "note.txt").write_text("hello")
+        ledger.log_artifact(tmp_path / "note.txt")
+        ledger.finish()
+        client = MlflowClient(f"http://127.0.0.1:{port}")
+        run = client.get_run(ledger.run_id)
+        assert run.data.metrics["orchestrator/reward/mean"] == 0.25 and run.info.status == "FINISHED"
+        assert [a.path for a in client.list_artifacts(ledger.run_id)] == ["note.txt"]
+        assert json.loads((tmp_path / "run" / "ledger.json").read_text())["tracking_uri"].startswith("http://")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
