@@ -82,6 +82,14 @@ def test_cli_prints_one_line_and_exits_2(args, expected):
     assert "Traceback" not in result.stderr
 
 
+def test_inference_refuses_gpu_only_settings_on_cpu():
+    result = run_module("primerl.inference", "inference=vllm_fp8", "inference.device=cpu", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "primerl: config error: inference.quantization: fp8 weights need a CUDA GPU (Ada/Hopper); not on CPU"
+    )
+
+
 def test_conf_groups_match_the_schema():
     expected = {"model", "parallelism", "inference", "env", "trainer", "orchestrator", "launcher", "ledger", "experiment"}
     assert {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()} == expected

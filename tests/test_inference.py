@@ -34,7 +34,7 @@ def server(cache_dir, tmp_path_factory):
                  f"cache_dir={cache_dir}"])  # fmt: skip
     model = base_model_path(cfg)
     (spec,) = render_specs(cfg, model, "cpu")
-    with VllmServer(spec, tmp_path_factory.mktemp("vllm") / "vllm.log", API_KEY).start() as srv:
+    with VllmServer(spec, tmp_path_factory.mktemp("vllm") / "vllm.log").start() as srv:
         srv.model_dir = model
         yield srv
 
@@ -145,3 +145,35 @@ def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():
     assert (prefill.port, decode.port) == (8100, 8200)
     with pytest.raises(ConfigError, match="inference.pd.enabled"):
         check_supported(pd.inference, "cpu")
+
+
+def test_inference_module_serves_until_terminated(cache_dir, tmp_path):
+    """`python -m primerl.inference` as a process: ready on /health, and SIGTERM leaves no vLLM process behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "primerl.inference", "+experiment=reverse_text", "sft.enabled=false",
+           f"inference.port={port}", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        line = ""
+        while time.monotonic() < deadline and "serving" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "primerl.inference exited before serving"
+        assert f"at http://127.0.0.1:{port}" in line
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

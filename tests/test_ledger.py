@@ -116,3 +116,22 @@ def test_real_mlflow_server_on_loopback(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_multirun_sweep_records_parent_and_children(cache_dir, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_module("primerl.train", "-m", "+experiment=reverse_text", "sft.enabled=false", "trainer.max_steps=1",
+                        "orchestrator.batch_size=8", "orchestrator.group_size=4", "trainer.optim.lr=1e-4,2e-4",
+                        f"inference.port={free_port()}", f"hydra.sweep.dir={sweep}",
+                        f"ledger.store_dir={tmp_path / 'store'}", timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    parent = json.loads((sweep / "ledger_parent.json").read_text())["run_id"]
+    experiment = client.get_experiment_by_name("reverse_text").experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(r.data.params["trainer.optim.lr"] for r in children) == ["0.0001", "0.0002"]
+    assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
+    compared = run_module("primerl.compare", "--store-dir", str(tmp_path / "store"), "--sweep", str(sweep),
+                          "--plot", str(tmp_path / "sweep.png"), timeout=120)  # fmt: skip
+    assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout

@@ -103,7 +103,9 @@ def test_synchronous_run_trains_on_the_current_policy(cache_dir, tmp_path):
 
 def test_multi_turn_environment(cache_dir, tmp_path):
     run = tmp_path / "guess"
-    result = _train(run, "env=guess_number", "orchestrator.max_tokens=8", steps=1)
+    # through the generic group: any installed verifiers environment by id, no code change
+    result = _train(run, "env=verifiers", "env.id=guess-number", "+env.args.high=16", "orchestrator.max_tokens=8",
+                    steps=1)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = read_metrics(run, "orchestrator")
     assert row["rollouts/ok"] == 16 and "reward/solved" in row
@@ -131,6 +133,28 @@ def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
     assert train.returncode == 1
     assert "trainer exited with code -9" in err
     assert _pids_mentioning(str(run)) == []
+
+
+def test_ctrl_c_stops_the_whole_run(cache_dir, tmp_path):
+    run = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
+           "trainer.max_steps=50", "orchestrator.batch_size=16", "orchestrator.group_size=4",
+           f"inference.port={free_port()}", f"hydra.run.dir={run}", "ledger.enabled=false"]  # fmt: skip
+    train = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not read_metrics(run, "trainer") and time.monotonic() < deadline and train.poll() is None:
+            time.sleep(1)
+        assert read_metrics(run, "trainer"), "the trainer never finished a step"
+        train.send_signal(signal.SIGINT)
+        out, err = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 130
+    assert "interrupted; all processes stopped" in err
+    assert _pids_mentioning(str(run)) == []
+    assert rollout_path(run, 0).exists()  # what was produced stays
 
 
 def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):

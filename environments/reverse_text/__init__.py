@@ -7,9 +7,10 @@ draws an unbounded stream, `num_tasks` bounds it for evaluation.
 import itertools
 
 import verifiers.v1 as vf
-from primerl_chat import ChatHarness, final_reply
+from primerl_chat import ChatHarness
 
 from primerl.envs.reverse_text import SYSTEM_PROMPT, lcs_ratio, make_texts, stream_seed
+from primerl.envs.traces import final_reply
 
 
 class ReverseTextData(vf.TaskData):

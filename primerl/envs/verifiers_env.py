@@ -12,6 +12,7 @@ from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
 from primerl.config.validate import ConfigError
 from primerl.envs.config import EnvConfig
+from primerl.envs.traces import final_reply
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
 # Every other error ends the rollout, which is counted as failed.
@@ -87,7 +88,5 @@ def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:
             out.append(RolloutFailure("no trainable tokens (token ids, mask and logprobs missing or misaligned)"))
             continue
         scores = {name: r.score for name, r in trace.rewards.items() if r is not None}
-        last = next((m for m in reversed(trace.branches[-1].messages) if m.role == "assistant"), None)
-        completion = last.content if last is not None and isinstance(last.content, str) else ""
-        out.append(Rollout(float(reward), scores, branches, completion))
+        out.append(Rollout(float(reward), scores, branches, final_reply(trace)))
     return out

@@ -28,6 +28,10 @@ class InferenceStartError(RuntimeError):
     pass
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def resolve_device(inf: InferenceConfig) -> str:
     if inf.device != "auto":
         return inf.device
@@ -104,18 +108,14 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
 class VllmServer:
     """One vLLM server process. Use as a context manager, or call start()/stop()."""
 
-    def __init__(self, spec: ServerSpec, log_path: str | Path, api_key: str | None = None):
+    def __init__(self, spec: ServerSpec, log_path: str | Path):
         self.spec = spec
         self.log_path = Path(log_path)
-        self.api_key = api_key
         self.process: subprocess.Popen | None = None
 
     @property
     def base_url(self) -> str:
         return self.spec.base_url
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_path.exists():
@@ -179,9 +179,8 @@ def load_weights(base_url: str, path: str | Path, version: int, api_key: str | N
     Requests that start after this returns are served by the new weights: the prefix cache, whose KV entries
     were computed with the old weights, is reset.
     """
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     started = time.perf_counter()
-    with httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s) as client:
+    with httpx.Client(base_url=base_url, headers=auth_headers(api_key), timeout=timeout_s) as client:
         r = client.post("/collective_rpc", json={"method": "primerl_load_weights", "args": [str(path), str(version)]})
         if r.status_code != 200:
             raise RuntimeError(f"weight load of {path} failed ({r.status_code}): {r.text[:500]}")
@@ -190,9 +189,8 @@ def load_weights(base_url: str, path: str | Path, version: int, api_key: str | N
 
 
 def policy_version(base_url: str, api_key: str | None = None) -> int:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(f"{base_url}/collective_rpc", json={"method": "primerl_get_policy_version"}, headers=headers,
-                   timeout=30.0)  # fmt: skip
+    r = httpx.post(f"{base_url}/collective_rpc", json={"method": "primerl_get_policy_version"},
+                   headers=auth_headers(api_key), timeout=30.0)  # fmt: skip
     r.raise_for_status()
     versions = {int(v) for v in r.json()["results"]}
     if len(versions) != 1:

@@ -44,7 +44,7 @@ class Orchestrator:
         self.model_path = initial_model_path(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.env = load_env(cfg.env)
-        self.tasks = iter(self.env.taskset)
+        self.tasks = iter(())  # set in run(), past the tasks of batches already handed over
         self.version = 0
         os.environ.setdefault(API_KEY_VAR, cfg.inference.api_key or "EMPTY")
         self.ctx = vf.ModelContext(
