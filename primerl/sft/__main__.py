@@ -123,11 +123,15 @@ def main(dict_cfg: DictConfig) -> None:
         wall_s = time.perf_counter() - started
         if info.is_main:
             eval_texts = make_texts(stream_seed(cfg.seed, "eval"), cfg.sft.num_eval, *text_lengths(cfg))
-            from primerl.sft.evaluate import reverse_text_reward
+            from primerl.evaluate import rewards
+
+            def greedy_reward(model_dir: str) -> float:
+                values = rewards(model_dir, eval_texts, temperature=0.0, seed=cfg.seed)
+                return sum(values) / len(values)
 
             metrics = {
-                "reward_before": reverse_text_reward(base_model_path(cfg), eval_texts),
-                "reward_after": reverse_text_reward(str(out_dir), eval_texts),
+                "reward_before": greedy_reward(base_model_path(cfg)),
+                "reward_after": greedy_reward(str(out_dir)),
                 "losses": losses,
                 "train_wall_s": wall_s,
                 "world_size": info.world_size,
