@@ -90,6 +90,15 @@ def test_inference_refuses_gpu_only_settings_on_cpu():
     )
 
 
+def test_hydra_flags_with_values_are_not_overrides():
+    from primerl.config.cli import overrides_in
+
+    assert overrides_in(["--cfg", "job", "-p", "trainer", "seed=1", "-m", "a=1,2"]) == ["seed=1", "a=1,2"]
+    result = run_module("primerl.sft", "+experiment=reverse_text", "--cfg", "job", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "name: reverse_text" in result.stdout and result.stderr == ""  # no Hydra warnings either
+
+
 def test_conf_groups_match_the_schema():
     expected = {"model", "parallelism", "inference", "env", "trainer", "orchestrator", "launcher", "ledger", "experiment"}
     assert {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()} == expected

@@ -29,7 +29,23 @@ EXIT_CONFIG_ERROR = 2
 _SKIP_PREFLIGHT = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--config-path", "-cp",
                    "--config-name", "-cn", "--config-dir", "-cd"}  # fmt: skip
 
+# Hydra flags followed by a value that is not an override (e.g. `--cfg job`).
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--experimental-rerun"}
+
 register_schema()
+
+
+def overrides_in(argv: list[str]) -> list[str]:
+    """The config overrides of a Hydra command line: every argument that is neither a flag nor a flag's value."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _VALUE_FLAGS:
+            skip = True
+        elif not arg.startswith("-"):
+            out.append(arg)
+    return out
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -116,7 +132,7 @@ def preflight(argv: list[str], config_name: str = "config") -> None:
     """Exit 2 with one line on the first config error in this command line."""
     if any(a.split("=")[0] in _SKIP_PREFLIGHT for a in argv):
         return
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides = overrides_in(argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     try:
         points = _expand_sweeps(overrides) if multirun else [overrides]
