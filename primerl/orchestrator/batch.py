@@ -1,7 +1,5 @@
 """Turn scored rollouts into a trainer batch: enforce the staleness bound, pack, split into micro-batches."""
 
-import torch
-
 from primerl.trainer.packing import pack_sequences
 from primerl.transport import RolloutBatch, Sample
 
@@ -52,7 +50,3 @@ def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size
         min_policy_version=min(s.policy_version for s in samples),
         metrics=dict(metrics or {}),
     )
-
-
-def batch_token_count(batch: RolloutBatch) -> int:
-    return int(sum(torch.numel(mb["input_ids"]) for mb in batch.micro_batches))

@@ -12,4 +12,3 @@ class SftConfig:
     lr: float = 3e-3
     warmup_steps: int = 50
     num_eval: int = 64
-    log_every: int = 10

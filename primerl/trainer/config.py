@@ -24,7 +24,8 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    """IS-corrected policy gradient; tokens whose ratio leaves [1/mask_ratio_high... ] are masked. See trainer/loss.py."""
+    """IS-corrected policy gradient: tokens whose trainer/inference ratio leaves [mask_ratio_low, mask_ratio_high]
+    get no loss (formula in primerl/trainer/loss.py)."""
 
     mask_ratio_low: float = 0.125
     mask_ratio_high: float = 8.0
