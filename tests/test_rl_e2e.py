@@ -138,7 +138,7 @@ def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
         (trainer_pid,) = [p for p in _pids_mentioning(str(run)) if b"primerl.trainer" in _cmdline(p)]
         os.kill(trainer_pid, signal.SIGKILL)
         _, err = train.communicate(timeout=120)
-    assert train.returncode == 1
+    assert train.returncode == 1, err[-3000:]
     assert "trainer exited with code -9" in err
     assert _pids_mentioning(str(run)) == []
 
@@ -148,7 +148,7 @@ def test_ctrl_c_stops_the_whole_run(cache_dir, tmp_path):
     with _run_past_first_step(run) as train:
         train.send_signal(signal.SIGINT)
         _, err = train.communicate(timeout=120)
-    assert train.returncode == 130
+    assert train.returncode == 130, err[-3000:]
     assert "interrupted; all processes stopped" in err
     assert _pids_mentioning(str(run)) == []
     assert rollout_path(run, 0).exists()  # what was produced stays

@@ -5,6 +5,7 @@ format under `<cache_dir>/models/tiny-<hash>`; transformers and vLLM both load t
 """
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -98,25 +99,31 @@ def tiny_model_dir(cache_dir: str, arch: TinyArchConfig, init_seed: int, dtype: 
 
 
 def build_tiny_model(cache_dir: str, arch: TinyArchConfig, init_seed: int, dtype: str = "float32") -> Path:
-    """Return the HF directory of the tiny model, building it (atomically) on first use."""
+    """Return the HF directory of the tiny model, building it on first use.
+
+    Safe with several processes (torchrun ranks, parallel runs): one builds under a file lock, into a staging
+    directory renamed into place; the others wait and find it complete.
+    """
     target = tiny_model_dir(cache_dir, arch, init_seed, dtype)
     if (target / "config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = build_tokenizer()
-    config = _hf_config(arch, tokenizer, dtype)
-    torch.manual_seed(init_seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        os.rename(staging, target)  # atomic: readers see no directory or a complete one
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        from transformers import AutoModelForCausalLM
+
+        tokenizer = build_tokenizer()
+        config = _hf_config(arch, tokenizer, dtype)
+        torch.manual_seed(init_seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+        try:
+            model.save_pretrained(staging, safe_serialization=True)
+            tokenizer.save_pretrained(staging)
+            shutil.rmtree(target, ignore_errors=True)  # a partial directory left by a killed builder
+            os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -101,6 +101,10 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
         tokens_seen += int(all_reduce_sum(batch.input_ids.numel(), info.device))
         if info.is_main:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
+        if cfg.sft.save_every and (step + 1) % cfg.sft.save_every == 0 and step + 1 < cfg.sft.steps:
+            state = full_state_dict(model)  # a collective: every rank takes part
+            if info.is_main:
+                save_hf_checkpoint(state, base, out_dir.with_name(f"{out_dir.name}-step{step + 1}"))
     state = full_state_dict(model)
     if info.is_main:
         save_hf_checkpoint(state, base, out_dir)

@@ -13,7 +13,7 @@ from primerl.model.resolve import base_model_path
 def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs."""
     key = json.dumps(
-        [base_model_path(cfg), asdict(cfg.sft), cfg.env.id, cfg.env.args, cfg.seed],
+        [base_model_path(cfg), asdict(cfg.sft) | {"save_every": None}, cfg.env.id, cfg.env.args, cfg.seed],
         sort_keys=True,
         default=str,
     )

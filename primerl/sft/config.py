@@ -12,3 +12,4 @@ class SftConfig:
     lr: float = 3e-3
     warmup_steps: int = 50
     num_eval: int = 64
+    save_every: int = 0  # also keep the checkpoint every N steps (<checkpoint>-step<N>); 0: only the final one
