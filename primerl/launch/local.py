@@ -120,7 +120,8 @@ def run_local(cfg: RunConfig, overrides: list[str], ledger: "Ledger | None" = No
         record_sft(ledger, run_dir / "sft" / "sft_metrics.json")
     launcher = LocalLauncher(run_dir)
     cpu = cfg.inference.device == "cpu" or (cfg.inference.device == "auto" and not _has_cuda())
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         inference = launcher.spawn("inference", module_command("primerl.inference", overrides, run_dir), child_env())
         orchestrator = launcher.spawn("orchestrator", module_command("primerl.orchestrator", overrides, run_dir),
@@ -148,7 +149,8 @@ def run_local(cfg: RunConfig, overrides: list[str], ledger: "Ledger | None" = No
         print(f"train: done; {cfg.trainer.max_steps} steps in {run_dir}", flush=True)
     finally:
         launcher.stop_all()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if follower and ledger:  # whatever happened, the record keeps everything produced so far
             follower.poll()
             record_artifacts(ledger, cfg, run_dir)
