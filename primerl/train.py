@@ -43,9 +43,6 @@ def main(dict_cfg: DictConfig) -> None:
             status = "FINISHED"
         else:
             raise ConfigError("launcher.name", f"'{cfg.launcher.name}' is not available yet; use launcher=local")
-    except ConfigError as err:
-        print(f"primerl: config error: {err}", file=sys.stderr)
-        sys.exit(2)
     except ChildFailed as err:
         print(f"train: {err}", file=sys.stderr)
         sys.exit(1)

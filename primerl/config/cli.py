@@ -3,7 +3,8 @@
 Every process (`primerl.train`, `.sft`, `.inference`, `.orchestrator`, `.trainer`) is a Hydra app made by `hydra_app`.
 Before Hydra runs, the command line is composed once here ("preflight"): a bad key, type, value or group option,
 or a failed cross-field check, prints one line `primerl: config error: KEY: why` and exits 2, with no traceback.
-Sweep overrides (`-m a=1,2`) are checked value by value.
+Sweep overrides (`-m a=1,2`) are checked value by value. A ConfigError raised later, inside the app (checks that
+need the world size, the device or the environment), is reported the same way.
 """
 
 import dataclasses
@@ -149,7 +150,15 @@ def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], o
     """Decorator: `@hydra_app()` over `def main(cfg: DictConfig)` gives a checked Hydra entry point."""
 
     def wrap(task: Callable[[DictConfig], object]) -> Callable[[], object]:
-        hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)
+        @functools.wraps(task)  # Hydra unwraps __wrapped__ to name the job after `task`
+        def checked(cfg: DictConfig) -> object:
+            try:
+                return task(cfg)
+            except ConfigError as err:  # found at run time (world size, devices, env loading): same one line
+                print(f"primerl: config error: {err}", file=sys.stderr)
+                sys.exit(EXIT_CONFIG_ERROR)
+
+        hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(checked)
 
         @functools.wraps(task)
         def entry() -> object:

@@ -12,7 +12,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.validate import ConfigError
 from primerl.inference.server import (
     InferenceStartError,
     VllmServer,
@@ -27,11 +26,7 @@ from primerl.sft.checkpoint import initial_model_path
 def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
     device = resolve_device(cfg.inference)
-    try:
-        check_supported(cfg.inference, device)
-    except ConfigError as err:
-        print(f"primerl: config error: {err}", file=sys.stderr)
-        sys.exit(2)
+    check_supported(cfg.inference, device)
     model_path = initial_model_path(cfg)
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
         print(f"primerl: model {model_path} does not exist; run `python -m primerl.sft` first", file=sys.stderr)

@@ -6,7 +6,6 @@ process dies first, `InferenceStartError` carries the tail of vLLM's log.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 from primerl.config.schema import RunConfig
 from primerl.config.validate import ConfigError
 from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
+from primerl.launch.process import stop_process_groups
 
 EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
 SERVED_MODEL_NAME = "policy"  # clients name the policy, not a path that changes with every checkpoint
@@ -151,19 +151,8 @@ class VllmServer:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait()
-        try:  # engine-core children may outlive the API server's exit
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.process is not None:
+            stop_process_groups([self.process], grace_s)
 
     def __enter__(self) -> "VllmServer":
         return self

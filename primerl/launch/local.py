@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
+from primerl.launch.process import stop_process_groups
 from primerl.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -69,25 +70,7 @@ class LocalLauncher:
         return child
 
     def stop_all(self) -> None:
-        alive = [c for c in self.children if c.process.poll() is None]
-        for child in alive:
-            _signal_group(child.process, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for child in alive:
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for child in self.children:  # the whole group: vLLM's engine core, torchrun's ranks
-            _signal_group(child.process, signal.SIGKILL)
-            child.process.wait()
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        stop_process_groups([c.process for c in self.children], GRACE_S)
 
 
 def run_sft(cfg: RunConfig, overrides: list[str], run_dir: Path) -> None:

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from transformers import AutoTokenizer
 
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
-from primerl.config.validate import ConfigError
 from primerl.envs.verifiers_env import Rollout, RolloutFailure, episode_rollouts, load_env
 from primerl.inference.server import SERVED_MODEL_NAME, load_weights
 from primerl.metrics import append_metrics
@@ -180,11 +178,7 @@ def main(dict_cfg: DictConfig) -> None:
         async with orchestrator.env.serving():
             await orchestrator.run()
 
-    try:
-        asyncio.run(run())
-    except ConfigError as err:
-        print(f"primerl: config error: {err}", file=sys.stderr)
-        sys.exit(2)
+    asyncio.run(run())
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     run_dir = Path(cfg.output_dir)
     dp = resolve_dp_shard(cfg, info.world_size)
     start = latest_stable_version(run_dir) or 0
-    source = str(weights_path(run_dir, start)) if start else initial_model_path(cfg)
+    base = initial_model_path(cfg)
+    source = str(weights_path(run_dir, start)) if start else base
     if info.is_main:
         print(f"trainer: starting at step {start} from {source} on {info.world_size} rank(s)", flush=True)
     torch.manual_seed(cfg.seed)
@@ -60,7 +61,6 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     shard_model(model, data_mesh(info, dp))
     opt = cfg.trainer.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas))
-    base = initial_model_path(cfg)
     for step in range(start, cfg.trainer.max_steps):
         path, waited = wait_for_batch(run_dir, step)
         t0 = time.perf_counter()
