@@ -1,10 +1,11 @@
 # Two commands on a fresh machine: `make train` and `make test`. Both create .venv and install what is missing.
 PYTHON ?= python3.11
+comma := ,
 VENV := .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= cpu,dev
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
-comma := ,
+
 EXPERIMENT ?= reverse_text
 
 .PHONY: install train sft test test-fast lint clean

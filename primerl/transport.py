@@ -41,6 +41,7 @@ class RolloutBatch:
     num_loss_tokens: int  # over all micro-batches: the token-level normaliser of the loss
     min_policy_version: int
     metrics: dict[str, float] = field(default_factory=dict)
+    data_position: int = 0  # tasks the orchestrator has consumed through this batch: where a resume goes on
 
 
 def rollout_path(run_dir: str | Path, step: int) -> Path:
@@ -71,14 +72,14 @@ def write_rollout_batch(run_dir: str | Path, batch: RolloutBatch) -> Path:
 def read_rollout_batch(path: str | Path) -> RolloutBatch:
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["primerl"])
-        micro = [{k: f.get_tensor(f"mb{i}.{k}") for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))]
+        micro = [
+            {k: f.get_tensor(f"mb{i}.{k}") for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))
+        ]
     return RolloutBatch(micro_batches=micro, **meta)
 
 
 def latest_stable_version(run_dir: str | Path) -> int | None:
     """The newest published policy version (a weights directory with the STABLE marker), if any."""
-    from primerl.trainer.weights import is_stable
+    from primerl.trainer.weights import latest_stable
 
-    folder = Path(run_dir) / "weights"
-    versions = [int(p.name.split("_")[1]) for p in folder.glob("step_*") if p.is_dir() and is_stable(p)]
-    return max(versions) if versions else None
+    return latest_stable(Path(run_dir) / "weights")

@@ -100,5 +100,15 @@ def test_hydra_flags_with_values_are_not_overrides():
 
 
 def test_conf_groups_match_the_schema():
-    expected = {"model", "parallelism", "inference", "env", "trainer", "orchestrator", "launcher", "ledger", "experiment"}
+    expected = {
+        "model",
+        "parallelism",
+        "inference",
+        "env",
+        "trainer",
+        "orchestrator",
+        "launcher",
+        "ledger",
+        "experiment",
+    }
     assert {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()} == expected

@@ -11,9 +11,10 @@ import time
 import pytest
 
 from primerl.metrics import read_metrics
+from primerl.trainer.checkpoint import latest_checkpoint
 from primerl.trainer.dist import free_port
 from primerl.trainer.weights import is_stable
-from primerl.transport import rollout_path, weights_path
+from primerl.transport import read_rollout_batch, rollout_path, weights_path
 from tests.conftest import ROOT, run_module
 
 pytestmark = pytest.mark.slow
@@ -39,11 +40,15 @@ def _pids_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _train_cmd(run_dir, *overrides, steps=3) -> list[str]:
+    return [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
+            f"trainer.max_steps={steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
+            f"hydra.run.dir={run_dir}", f"ledger.store_dir={run_dir.parent / 'ledger'}", *overrides]  # fmt: skip
+
+
 def _train(run_dir, *overrides, steps=3):
-    return run_module("primerl.train", "+experiment=reverse_text", "sft.enabled=false", f"trainer.max_steps={steps}",
-                      "orchestrator.batch_size=16", "orchestrator.group_size=4", f"inference.port={free_port()}",
-                      f"hydra.run.dir={run_dir}", f"ledger.store_dir={run_dir.parent / 'ledger'}", *overrides,
-                      timeout=900)  # fmt: skip
+    cmd = _train_cmd(run_dir, f"inference.port={free_port()}", *overrides, steps=steps)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
@@ -115,37 +120,70 @@ def test_multi_turn_environment(cache_dir, tmp_path):
 
 
 @contextlib.contextmanager
-def _run_past_first_step(run):
-    """A 50-step run, yielded once its trainer has finished one step; killed if still alive afterwards."""
-    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
-           "trainer.max_steps=50", "orchestrator.batch_size=16", "orchestrator.group_size=4",
-           f"inference.port={free_port()}", f"hydra.run.dir={run}", "ledger.enabled=false"]  # fmt: skip
-    train = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _run_until_trainer_step(run, trainer_steps, *overrides, steps=50):
+    """A run, yielded once its trainer has finished `trainer_steps` steps; killed if still alive afterwards."""
+    train = subprocess.Popen(_train_cmd(run, *overrides, steps=steps), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
-        while not read_metrics(run, "trainer") and time.monotonic() < deadline and train.poll() is None:
-            time.sleep(1)
-        assert read_metrics(run, "trainer"), "the trainer never finished a step"
+        while len(read_metrics(run, "trainer")) < trainer_steps and time.monotonic() < deadline:
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            time.sleep(0.5)
+        assert len(read_metrics(run, "trainer")) >= trainer_steps, "the trainer did not get that far"
         yield train
     finally:
         if train.poll() is None:
             train.kill()
 
 
-def test_killed_trainer_stops_the_whole_run(cache_dir, tmp_path):
-    run = tmp_path / "killed"
-    with _run_past_first_step(run) as train:
-        (trainer_pid,) = [p for p in _pids_mentioning(str(run)) if b"primerl.trainer" in _cmdline(p)]
-        os.kill(trainer_pid, signal.SIGKILL)
-        _, err = train.communicate(timeout=120)
+def _kill_child(train, run, module: str) -> str:
+    """kill -9 the run's `module` process; returns train's stderr once it has stopped everything."""
+    (pid,) = [p for p in _pids_mentioning(str(run)) if f"-m\0{module}\0".encode() in _cmdline(p)]
+    os.kill(pid, signal.SIGKILL)
+    _, err = train.communicate(timeout=120)
     assert train.returncode == 1, err[-3000:]
-    assert "trainer exited with code -9" in err
-    assert _pids_mentioning(str(run)) == []
+    assert f"{module.rsplit('.', 1)[1]} exited with code -9" in err
+    assert _pids_mentioning(str(run)) == []  # no orphans
+    return err
+
+
+def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    run, steps = tmp_path / "resumed", 6
+    same = (f"inference.port={free_port()}",)  # rerunning the same command (same run dir) resumes
+    with _run_until_trainer_step(run, 1, *same, steps=steps) as train:
+        _kill_child(train, run, "primerl.trainer")
+    run_id = json.loads((run / "ledger.json").read_text())["run_id"]
+    with _run_until_trainer_step(run, 3, *same, steps=steps) as train:
+        _kill_child(train, run, "primerl.orchestrator")
+    result = subprocess.run(_train_cmd(run, *same, steps=steps), cwd=ROOT, capture_output=True, text=True,
+                            timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # each step's batch was made once and trained once; the series run 0..steps-1 without gaps or repeats
+    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(steps))
+    assert [r["step"] for r in read_metrics(run, "orchestrator")] == list(range(steps))
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    starts = [int(line.split()[4]) for line in trainer_log.splitlines() if line.startswith("trainer: starting at step")]
+    assert len(starts) == 3 and starts[0] == 0 and 1 <= starts[1] <= starts[2] < steps  # resumed, not restarted
+    for step in range(steps):
+        assert trainer_log.count(f"trainer: step {step}:") <= 1
+    assert "orchestrator: resuming at step" in (run / "logs" / "orchestrator.log").read_text()
+    positions = [read_rollout_batch(rollout_path(run, s)).data_position for s in range(steps)]
+    assert positions == sorted(set(positions))  # the task stream went on; no task was reused
+    assert latest_checkpoint(run) == steps and is_stable(weights_path(run, steps))
+    # one MLflow run, each step logged once
+    assert json.loads((run / "ledger.json").read_text())["run_id"] == run_id
+    client = MlflowClient(json.loads((run / "ledger.json").read_text())["tracking_uri"])
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for name in ("trainer/loss", "orchestrator/reward/mean"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(steps)), name
 
 
 def test_ctrl_c_stops_the_whole_run(cache_dir, tmp_path):
     run = tmp_path / "interrupted"
-    with _run_past_first_step(run) as train:
+    with _run_until_trainer_step(run, 1, f"inference.port={free_port()}", "ledger.enabled=false") as train:
         train.send_signal(signal.SIGINT)
         _, err = train.communicate(timeout=120)
     assert train.returncode == 130, err[-3000:]

@@ -40,6 +40,7 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
     @property
     def bounded(self) -> bool:
         return self.config.num_tasks is not None if self._bounded is None else self._bounded
+
     def load(self):
         cfg = self.config
         chunks = itertools.count() if cfg.num_tasks is None else range((cfg.num_tasks + 999) // 1000)

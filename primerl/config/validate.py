@@ -1,6 +1,7 @@
 """Cross-field checks that a typed schema cannot express. Each failure names the offending key."""
 
 import ipaddress
+from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.model.config import ModelSource
@@ -46,6 +47,9 @@ def validate(cfg: RunConfig) -> None:
             "trainer.seq_len",
             f"{trainer.seq_len} is shorter than inference.max_model_len={inf.max_model_len}: a full rollout must fit",
         )
+    for key in ("checkpoint_every", "keep_checkpoints"):
+        if getattr(trainer, key) < 1:
+            raise ConfigError(f"trainer.{key}", f"must be >= 1, got {getattr(trainer, key)}")
     if model.source == ModelSource.tiny:
         arch = model.arch
         if arch.num_attention_heads % arch.num_key_value_heads:
@@ -55,11 +59,15 @@ def validate(cfg: RunConfig) -> None:
             )
         for key, length in (("trainer.seq_len", trainer.seq_len), ("sft.seq_len", cfg.sft.seq_len)):
             if length > arch.max_position_embeddings:
-                raise ConfigError(key, f"{length} exceeds model.arch.max_position_embeddings={arch.max_position_embeddings}")
+                raise ConfigError(
+                    key, f"{length} exceeds model.arch.max_position_embeddings={arch.max_position_embeddings}"
+                )
     if model.source == ModelSource.hub and not model.hub_id:
         raise ConfigError("model.hub_id", "required when model.source=hub")
     if model.source == ModelSource.path and not model.path:
         raise ConfigError("model.path", "required when model.source=path")
+    if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
+        raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
     if not _is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
     par = cfg.parallelism

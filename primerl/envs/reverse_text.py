@@ -9,6 +9,8 @@ SYSTEM_PROMPT = "Reverse the text."
 def stream_seed(seed: int, stream: str, chunk: int = 0) -> str:
     """Seeds of disjoint text streams for one run seed: "sft" (training pairs), "eval" (held out), "rl" (tasks)."""
     return f"{seed}/{stream}/{chunk}"
+
+
 ALPHABET = string.ascii_lowercase
 
 

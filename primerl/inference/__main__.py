@@ -31,8 +31,10 @@ def main(dict_cfg: DictConfig) -> None:
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
         print(f"primerl: model {model_path} does not exist; run `python -m primerl.sft` first", file=sys.stderr)
         sys.exit(2)
-    servers = [VllmServer(spec, Path(cfg.output_dir) / "logs" / f"vllm-{spec.port}.log")
-               for spec in render_specs(cfg, model_path, device)]
+    servers = [
+        VllmServer(spec, Path(cfg.output_dir) / "logs" / f"vllm-{spec.port}.log")
+        for spec in render_specs(cfg, model_path, device)
+    ]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for server in servers:

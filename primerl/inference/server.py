@@ -141,7 +141,9 @@ class VllmServer:
                 return self
             time.sleep(1.0)
         self.stop()
-        raise InferenceStartError(f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}")
+        raise InferenceStartError(
+            f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}"
+        )
 
     def healthy(self) -> bool:
         try:

@@ -119,7 +119,9 @@ def run_local(cfg: RunConfig, overrides: list[str], ledger: "Ledger | None" = No
             for child in launcher.children:
                 code = child.process.poll()
                 if code not in (None, 0):
-                    raise ChildFailed(f"{child.name} exited with code {code}; last lines of {child.log}:\n{child.tail()}")
+                    raise ChildFailed(
+                        f"{child.name} exited with code {code}; last lines of {child.log}:\n{child.tail()}"
+                    )
             shown = _print_progress(run_dir, cfg, shown)
             if follower:
                 follower.poll()

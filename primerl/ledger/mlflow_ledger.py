@@ -160,7 +160,10 @@ class MetricsFollower:
                 f.seek(offset)
                 while (line := f.readline()).endswith("\n"):
                     self.offsets[process] = f.tell()
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except ValueError:  # the torn last line of a process killed mid-write
+                        continue
                     step, stamp = row.pop("step"), row.pop("time", None)
                     self.ledger.log_metrics(step, row, f"{process}/", int(stamp * 1000) if stamp else None)
         self.offsets_file.write_text(json.dumps(self.offsets))

@@ -21,7 +21,9 @@ def record_sft(ledger: Ledger, metrics_file: Path) -> None:
 
 
 def reward_plot(run_dir: Path, title: str) -> Path | None:
-    points = [(r["step"], r["reward/mean"]) for r in read_metrics(run_dir, "orchestrator") if r.get("reward/mean") is not None]
+    points = [
+        (r["step"], r["reward/mean"]) for r in read_metrics(run_dir, "orchestrator") if r.get("reward/mean") is not None
+    ]
     if not points:
         return None
     return plot_curves({"reward/mean": points}, run_dir / "reward.png", title=title)

@@ -7,9 +7,15 @@ Loop for trainer step n = start..max_steps-1:
      sampled mask, logprobs), count and drop failed rollouts and samples older than the bound;
   3. compute group-relative advantages, pack into micro-batches of trainer.seq_len, write step n's batch.
 Every sample carries the policy version that produced it. Metrics go to <run>/metrics/orchestrator.jsonl.
+
+State across a restart: the batches themselves. A restarted orchestrator goes on at the first step without a
+batch, from the data position (tasks consumed) stored in the last batch. It has no RNG of its own: sampling
+randomness is vLLM's (verifiers' SamplingConfig takes no seed). A step whose rollouts all failed, or that met a
+dead server, is retried after waiting for the server with back-off; it never skips a step.
 """
 
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -24,12 +30,19 @@ from transformers import AutoTokenizer
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.envs.verifiers_env import Rollout, RolloutFailure, episode_rollouts, load_env
-from primerl.inference.server import SERVED_MODEL_NAME, load_weights
-from primerl.metrics import append_metrics
+from primerl.inference.server import SERVED_MODEL_NAME, load_weights, policy_version
+from primerl.metrics import append_metrics, append_metrics_once
 from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.batch import build_batch, drop_stale, required_policy_version
 from primerl.sft.checkpoint import initial_model_path
-from primerl.transport import Sample, latest_stable_version, rollout_path, weights_path, write_rollout_batch
+from primerl.transport import (
+    Sample,
+    latest_stable_version,
+    read_rollout_batch,
+    rollout_path,
+    weights_path,
+    write_rollout_batch,
+)
 
 API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"
 
@@ -44,13 +57,16 @@ class Orchestrator:
         self.env = load_env(cfg.env)
         self.tasks = iter(())  # set in run(), past the tasks of batches already handed over
         self.version = 0
+        self.data_position = 0  # tasks consumed so far (a retried step consumes new ones)
         os.environ.setdefault(API_KEY_VAR, cfg.inference.api_key or "EMPTY")
         self.ctx = vf.ModelContext(
-            client=vf.TrainClientConfig(base_url=f"{self.base_url}/v1", api_key_var=API_KEY_VAR,
-                                        renderer_model_name=self.model_path),  # fmt: skip
+            client=vf.TrainClientConfig(
+                base_url=f"{self.base_url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=self.model_path
+            ),  # fmt: skip
             model=SERVED_MODEL_NAME,
-            sampling=vf.SamplingConfig(temperature=cfg.orchestrator.temperature,
-                                       max_tokens=cfg.orchestrator.max_tokens),  # fmt: skip
+            sampling=vf.SamplingConfig(
+                temperature=cfg.orchestrator.temperature, max_tokens=cfg.orchestrator.max_tokens
+            ),  # fmt: skip
         )
         self.semaphore = asyncio.Semaphore(256)
 
@@ -96,6 +112,7 @@ class Orchestrator:
     async def generate(self, step: int) -> tuple[list[Sample], dict[str, float], list[dict]]:
         cfg = self.cfg.orchestrator
         tasks = list(itertools.islice(self.tasks, cfg.batch_size // cfg.group_size))
+        self.data_position += len(tasks)
         if not tasks:
             raise RuntimeError(f"environment '{self.cfg.env.id}' ran out of tasks at step {step}")
         version = self.version  # no weight load happens while a batch is in flight
@@ -116,8 +133,8 @@ class Orchestrator:
                 if len(examples) < 4:
                     examples.append({"step": step, "task": str(task.data.prompt_text)[:500],
                                      "completion": rollout.completion[:500], "reward": rollout.reward})  # fmt: skip
-        for reason in sorted(set(failures))[:3]:
-            print(f"orchestrator: step {step}: failed rollout: {reason}", flush=True)
+        for reason, count in collections.Counter(failures).most_common(8):
+            print(f"orchestrator: step {step}: {count} failed rollout(s): {reason}", flush=True)
         stats = {
             "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"),
             "rollouts/ok": float(len(rewards)),
@@ -126,28 +143,65 @@ class Orchestrator:
         }
         return samples, stats, examples
 
+    async def recover_server(self) -> None:
+        """After failed rollouts or a failed weight load: if the server died or restarted, wait for it with back-off,
+        then resync the policy version it serves (a restarted server serves the start weights again)."""
+        try:
+            served = policy_version(self.base_url, self.cfg.inference.api_key)
+        except httpx.HTTPError:
+            print(f"orchestrator: inference server {self.base_url} unreachable; waiting with back-off", flush=True)
+            await self.wait_for_server(self.cfg.inference.startup_timeout_s)
+            served = policy_version(self.base_url, self.cfg.inference.api_key)
+        if served != self.version:
+            print(f"orchestrator: the server serves policy v{served}, not v{self.version}: reloading", flush=True)
+            self.version = served
+            self.update_policy()
+
+    def resume_point(self) -> int:
+        """The first step without a batch. Batches already handed over stay as they are; the data position and any
+        metrics row that a killed predecessor did not write come back from the batches' metadata."""
+        start = 0
+        while rollout_path(self.run_dir, start).exists():
+            start += 1
+        for step in range(max(0, start - self.cfg.orchestrator.async_level - 1), start):
+            batch = read_rollout_batch(rollout_path(self.run_dir, step))
+            append_metrics_once(self.run_dir, "orchestrator", step, batch.metrics)
+            self.data_position = batch.data_position
+        if start:
+            print(f"orchestrator: resuming at step {start}, task {self.data_position}", flush=True)
+        return start
+
+    async def policy_for(self, step: int) -> tuple[float, float]:
+        """Wait until the served policy is recent enough for `step`; returns (seconds waited, seconds loading)."""
+        t0 = time.perf_counter()
+        need = required_policy_version(step, self.cfg.orchestrator.async_level)
+        load_s = self.update_policy()
+        while self.version < need:
+            await asyncio.sleep(0.2)
+            load_s += self.update_policy()
+        return time.perf_counter() - t0 - load_s, load_s
+
     async def run(self) -> None:
         cfg, orch = self.cfg, self.cfg.orchestrator
         await self.wait_for_server(cfg.inference.startup_timeout_s)
-        start = 0
-        while rollout_path(self.run_dir, start).exists():  # resume: batches already handed over stay as they are
-            start += 1
-        self.tasks = itertools.islice(iter(self.env.taskset), start * (orch.batch_size // orch.group_size), None)
+        start = self.resume_point()
+        self.tasks = itertools.islice(iter(self.env.taskset), self.data_position, None)
         for step in range(start, cfg.trainer.max_steps):
-            t0 = time.perf_counter()
-            need = required_policy_version(step, orch.async_level)
-            load_s = self.update_policy()
-            while self.version < need:
-                await asyncio.sleep(0.2)
-                load_s += self.update_policy()
-            waited = time.perf_counter() - t0 - load_s
-            t1 = time.perf_counter()
-            samples, stats, examples = await self.generate(step)
-            gen_s = time.perf_counter() - t1
-            samples, dropped = drop_stale(samples, step, orch.async_level)
-            if not samples:
+            while True:  # a step is retried until it has samples: failed rollouts or a dead server lose no step
+                try:
+                    waited, load_s = await self.policy_for(step)
+                    t1 = time.perf_counter()
+                    samples, stats, examples = await self.generate(step)
+                    gen_s = time.perf_counter() - t1
+                except httpx.HTTPError as err:
+                    print(f"orchestrator: step {step}: {type(err).__name__}: {err}", flush=True)
+                    await self.recover_server()
+                    continue
+                samples, dropped = drop_stale(samples, step, orch.async_level)
+                if samples:
+                    break
                 print(f"orchestrator: step {step}: every rollout failed; retrying the step", flush=True)
-                continue
+                await self.recover_server()
             completion_tokens = sum(sum(s.sampled_mask) for s in samples)
             stats |= {
                 "off_policy/max_lag": float(step - min(s.policy_version for s in samples)),
@@ -160,7 +214,7 @@ class Orchestrator:
                 "seq_len/mean": sum(len(s.token_ids) for s in samples) / len(samples),
             }
             batch = build_batch(samples, step, cfg.trainer.seq_len, cfg.trainer.micro_batch_size,
-                                self.tokenizer.pad_token_id, stats)  # fmt: skip
+                                self.tokenizer.pad_token_id, stats, self.data_position)  # fmt: skip
             write_rollout_batch(self.run_dir, batch)
             append_metrics(self.run_dir, "orchestrator", step, stats)
             with open(self.run_dir / "rollouts" / "samples.jsonl", "a") as f:

@@ -17,7 +17,7 @@ def drop_stale(samples: list[Sample], step: int, async_level: int) -> tuple[list
 
 
 def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size: int, pad_id: int,
-                metrics: dict[str, float] | None = None) -> RolloutBatch:  # fmt: skip
+                metrics: dict[str, float] | None = None, data_position: int = 0) -> RolloutBatch:  # fmt: skip
     """Pack samples into rows of `seq_len`, then micro-batches of `micro_batch_size` rows.
 
     Per-token fields: `loss_mask` (sampled tokens), `inference_logprobs`, and `advantages` (the sample's
@@ -49,4 +49,5 @@ def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size
         num_loss_tokens=num_loss_tokens,
         min_policy_version=min(s.policy_version for s in samples),
         metrics=dict(metrics or {}),
+        data_position=data_position,
     )

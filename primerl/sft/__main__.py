@@ -66,7 +66,9 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     if cfg.env.id != "reverse-text":
         raise ConfigError("env.id", f"SFT warm-start data exists for reverse-text only, not '{cfg.env.id}'")
     if cfg.sft.batch_size % info.world_size:
-        raise ConfigError("sft.batch_size", f"{cfg.sft.batch_size} is not divisible by the world size {info.world_size}")
+        raise ConfigError(
+            "sft.batch_size", f"{cfg.sft.batch_size} is not divisible by the world size {info.world_size}"
+        )
     dp = resolve_dp_shard(cfg, info.world_size)
     base = base_model_path(cfg) if info.is_main else None
     dist.barrier()  # rank 0 builds the tiny model once; the others load it

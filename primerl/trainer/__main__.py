@@ -2,11 +2,17 @@
 
 For step n = start..max_steps-1: wait for the orchestrator's batch n, train on it (micro-batches dealt round-robin
 over ranks; every rank runs the same number of forward/backward passes, padding with zero-weight ones), clip,
-AdamW step, then publish the weights as policy version n+1 (`<run>/weights/step_<n+1>`, atomic, STABLE-marked)
-for the inference server to load. A restarted trainer resumes from the newest published version.
+AdamW step, checkpoint model and optimizer every `trainer.checkpoint_every` steps (`<run>/checkpoints/step_<n+1>`,
+primerl.trainer.checkpoint), then publish the weights as policy version n+1 (`<run>/weights/step_<n+1>`, atomic,
+STABLE-marked) for the inference server to load.
+
+A restarted trainer resumes from the newest checkpoint (model, optimizer moments, step) and trains the next batch
+the orchestrator wrote; with checkpoint_every=1 (the default) no step is trained twice. With a larger interval the
+steps since the last checkpoint are replayed from their stored batches (their first metrics rows are kept).
 """
 
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -18,12 +24,19 @@ from transformers import AutoModelForCausalLM
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
-from primerl.metrics import append_metrics
+from primerl.metrics import append_metrics_once
 from primerl.sft.checkpoint import initial_model_path
+from primerl.trainer.checkpoint import (
+    CorruptCheckpoint,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, data_mesh, init_distributed, shard_model
 from primerl.trainer.loss import policy_loss
-from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
-from primerl.transport import latest_stable_version, read_rollout_batch, rollout_path, weights_path
+from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoint
+from primerl.transport import read_rollout_batch, rollout_path, weights_path
 
 KEEP_WEIGHT_VERSIONS = 3  # the orchestrator may still be loading the previous one
 
@@ -47,20 +60,37 @@ def rank_micro_batches(micro: list[dict[str, torch.Tensor]], info: DistInfo) -> 
     return mine
 
 
+def publish(model: torch.nn.Module, base: str, run_dir: Path, version: int, info: DistInfo) -> None:
+    """Collective: write policy `version` for the inference server and drop versions it can no longer need."""
+    state = full_state_dict(model)
+    if info.is_main:
+        save_hf_checkpoint(state, base, weights_path(run_dir, version))
+        stale = weights_path(run_dir, version - KEEP_WEIGHT_VERSIONS)
+        if version - KEEP_WEIGHT_VERSIONS > 0 and stale.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+
+
 def train(cfg: RunConfig, info: DistInfo) -> None:
     run_dir = Path(cfg.output_dir)
     dp = resolve_dp_shard(cfg, info.world_size)
-    start = latest_stable_version(run_dir) or 0
     base = initial_model_path(cfg)
-    source = str(weights_path(run_dir, start)) if start else base
-    if info.is_main:
-        print(f"trainer: starting at step {start} from {source} on {info.world_size} rank(s)", flush=True)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, cfg.model.dtype)).to(info.device)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, cfg.model.dtype)).to(info.device)
     model.train()
     shard_model(model, data_mesh(info, dp))
     opt = cfg.trainer.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas))
+    start = latest_checkpoint(run_dir) or 0
+    if start:
+        state = load_checkpoint(model, optimizer, checkpoint_path(run_dir, start))
+        if info.is_main:
+            append_metrics_once(run_dir, "trainer", start - 1, state["metrics"])
+        if not is_stable(weights_path(run_dir, start)):  # killed between checkpoint and publish
+            publish(model, base, run_dir, start, info)
+    if info.is_main:
+        source = checkpoint_path(run_dir, start) if start else base
+        print(f"trainer: starting at step {start} from {source} on {info.world_size} rank(s)", flush=True)
     for step in range(start, cfg.trainer.max_steps):
         path, waited = wait_for_batch(run_dir, step)
         t0 = time.perf_counter()
@@ -81,13 +111,6 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         totals = {k: all_reduce_sum(v, info.device) for k, v in totals.items()}
-        state = full_state_dict(model)
-        if info.is_main:
-            save_hf_checkpoint(state, base, weights_path(run_dir, step + 1))
-            stale = weights_path(run_dir, step + 1 - KEEP_WEIGHT_VERSIONS)
-            if step + 1 - KEEP_WEIGHT_VERSIONS > 0 and stale.exists():
-                shutil.rmtree(stale, ignore_errors=True)
-        dist.barrier()
         step_s = time.perf_counter() - t0
         tokens = max(totals["tokens"], 1.0)
         metrics = {
@@ -101,8 +124,13 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             "throughput/tokens_per_s": sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
             "batch/min_policy_version": float(batch.min_policy_version),
         }
+        t1 = time.perf_counter()
+        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.trainer.max_steps:
+            save_checkpoint(model, optimizer, run_dir, step + 1, metrics, cfg.trainer.keep_checkpoints, info.is_main)
+        publish(model, base, run_dir, step + 1, info)
+        metrics["time/save_s"] = time.perf_counter() - t1
         if info.is_main:
-            append_metrics(run_dir, "trainer", step, metrics)
+            append_metrics_once(run_dir, "trainer", step, metrics)
             print(f"trainer: step {step}: loss {metrics['loss']:+.4f} mismatch_kl {metrics['mismatch_kl']:.2e} "
                   f"grad_norm {metrics['grad_norm']:.3f} ({step_s:.1f}s, waited {waited:.1f}s)", flush=True)  # fmt: skip
 
@@ -113,6 +141,9 @@ def main(dict_cfg: DictConfig) -> None:
     info = init_distributed(cfg.parallelism.backend)
     try:
         train(cfg, info)
+    except CorruptCheckpoint as err:
+        print(f"trainer: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         close_distributed()
 

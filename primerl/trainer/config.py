@@ -36,5 +36,7 @@ class TrainerConfig:
     seq_len: int = 512
     micro_batch_size: int = 1
     max_steps: int = 20
+    checkpoint_every: int = 1  # steps between model+optimizer checkpoints (resume point after a crash)
+    keep_checkpoints: int = 2
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

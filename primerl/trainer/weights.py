@@ -27,6 +27,12 @@ def is_stable(path: str | Path) -> bool:
     return (Path(path) / STABLE_MARKER).exists()
 
 
+def latest_stable(folder: str | Path) -> int | None:
+    """The largest n of the STABLE `step_<n>` directories in `folder`, if any."""
+    steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*") if p.is_dir() and is_stable(p)]
+    return max(steps) if steps else None
+
+
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `state_dict` as model.safetensors plus the base model's config and tokenizer files, atomically."""
     out_dir = Path(out_dir)

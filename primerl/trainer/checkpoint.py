@@ -1,0 +1,119 @@
+"""Trainer checkpoints: model and optimizer state as a torch distributed checkpoint (DCP) in safetensors.
+
+`<run>/checkpoints/step_<n>/` holds the state after n trainer steps. Every rank writes its own shards through
+`HuggingFaceStorageWriter` (safetensors, JSON headers: no pickles on save or load), then rank 0 writes
+`trainer_state.json` (the step, the step's metrics row, each file's size and sha256) and the STABLE marker, and
+renames the directory into place. Invariants:
+- a directory without STABLE is never loaded (a crash mid-save leaves only a `.step_*.partial` directory);
+- a STABLE directory whose files do not match their recorded sizes and digests is refused (`CorruptCheckpoint`);
+- loading reshards, so a run may resume on another number of ranks.
+Optimizer hyperparameters come from the config on resume; only the per-parameter state (step, moments) is saved.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from primerl.trainer.weights import STABLE_MARKER, latest_stable
+
+STATE_FILE = "trainer_state.json"
+
+
+class CorruptCheckpoint(RuntimeError):
+    def __init__(self, path: Path, why: str):
+        super().__init__(
+            f"checkpoint {path} is corrupt ({why}); move it aside to resume from the one before, or start a new run"
+        )
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> int | None:
+    return latest_stable(Path(run_dir) / "checkpoints")
+
+
+def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
+    """(flat tensor dict for DCP, the model and optimizer state dicts whose tensors it shares).
+
+    Tensors that share storage (a tied LM head and its embedding) appear once: safetensors refuses aliases, and
+    loading the first in place loads both."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    named = [(f"model.{k}", v) for k, v in model_state.items()]
+    named += [(f"optim.{fqn}.{name}", v) for fqn, s in optim_state["state"].items() for name, v in s.items()]
+    flat, seen = {}, set()
+    for key, value in named:
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() and local.data_ptr() in seen:
+            continue
+        seen.add(local.data_ptr())
+        flat[key] = value
+    return flat, model_state, optim_state
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path, step: int,
+                    metrics: dict, keep: int, is_main: bool) -> Path:  # fmt: skip
+    """Collective: every rank calls it. Keeps the newest `keep` checkpoints."""
+    target = checkpoint_path(run_dir, step)
+    staging = target.with_name(f".{target.name}.partial")
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    flat, _, _ = _flat_state(model, optimizer)
+    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
+    dist.barrier()
+    if is_main:
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
+        state = {"step": step, "world_size": dist.get_world_size(), "metrics": metrics, "files": files}
+        (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
+        (staging / STABLE_MARKER).touch()
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+        for old in sorted(target.parent.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return target
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The checkpoint's trainer_state.json, after checking every recorded file's size and digest."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        files = state["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CorruptCheckpoint(path, f"unreadable {STATE_FILE}: {err}") from err
+    for name, expected in files.items():
+        file = path / name
+        if not file.exists():
+            raise CorruptCheckpoint(path, f"{name} is missing")
+        if file.stat().st_size != expected["bytes"] or _file_digest(file) != expected["sha256"]:
+            raise CorruptCheckpoint(path, f"{name} does not match its recorded size and sha256")
+    return state
+
+
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
+    """Collective: load model and optimizer state from `path` in place; returns its trainer_state.json."""
+    state = verify_checkpoint(path)
+    flat, model_state, optim_state = _flat_state(model, optimizer)
+    try:
+        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path)))
+    except Exception as err:  # a checkpoint from another model, or damage the digests could not see
+        raise CorruptCheckpoint(path, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    return state
