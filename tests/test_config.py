@@ -65,6 +65,10 @@ def test_world_size_must_match_parallel_degrees():
     with pytest.raises(ConfigError, match="does not equal the world size 3"):
         cfg.parallelism.dp_shard = 2
         resolve_dp_shard(cfg, 3)
+    moe = check(["model=tiny_moe", "parallelism=fsdp2_ep"])
+    assert resolve_dp_shard(moe, 2) == 2
+    with pytest.raises(ConfigError, match="must equal dp_shard=4"):
+        resolve_dp_shard(moe, 4)
 
 
 @pytest.mark.parametrize(

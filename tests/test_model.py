@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer, tiny_model_dir
+from primerl.trainer.weights import save_hf_checkpoint
 
 
 def test_tokenizer_is_byte_level_and_lossless():
@@ -58,3 +59,20 @@ def test_tiny_moe_builds(cache_dir):
     arch = TinyArchConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(str(cache_dir), arch, init_seed=0))
     assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4
+
+
+def test_published_moe_weights_use_the_per_expert_layout_and_reload(cache_dir, tmp_path):
+    """The trainer publishes transformers' fused expert tensors split per expert (the on-disk and vLLM layout)."""
+    base = build_tiny_model(str(cache_dir), TinyArchConfig(num_experts=4, num_experts_per_tok=2), init_seed=0)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    out = save_hf_checkpoint(model.state_dict(), base, tmp_path / "step_000001")
+    saved = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in saved
+    assert not any(k.endswith("experts.gate_up_proj") for k in saved)
+    assert saved.keys() == load_file(base / "model.safetensors").keys()  # same layout as the base checkpoint
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)

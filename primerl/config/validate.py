@@ -82,6 +82,8 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError("parallelism.ep", f"expert parallel needs a MoE model (model.arch.num_experts={experts})")
         if experts % par.ep:
             raise ConfigError("parallelism.ep", f"{par.ep} must divide model.arch.num_experts={experts}")
+    if trainer.seq_len % par.cp:
+        raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
     if par.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
 
@@ -89,7 +91,7 @@ def validate(cfg: RunConfig) -> None:
 def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:
     """The data-parallel shard degree for this world size.
 
-    world = dp_shard x cp; expert parallel borrows a sub-mesh of the dp_shard ranks, so ep must divide dp_shard.
+    world = dp_shard x cp. Expert parallel shards the experts over all dp_shard ranks (ep == dp_shard), without cp.
     """
     par = cfg.parallelism
     dp = par.dp_shard if par.dp_shard != -1 else world_size // par.cp
@@ -98,6 +100,7 @@ def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:
             "parallelism.dp_shard",
             f"dp_shard={dp} x cp={par.cp} = {dp * par.cp} does not equal the world size {world_size}",
         )
-    if dp % par.ep:
-        raise ConfigError("parallelism.ep", f"{par.ep} must divide dp_shard={dp} (world size {world_size})")
+    if par.ep > 1 and (par.ep != dp or par.cp > 1):
+        raise ConfigError("parallelism.ep", f"{par.ep} must equal dp_shard={dp} with cp=1 (world size {world_size}): "
+                          "experts are sharded over all data-parallel ranks")  # fmt: skip
     return dp

@@ -45,6 +45,7 @@ from primerl.transport import (
 )
 
 API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"
+MAX_ATTEMPTS_PER_STEP = 5  # a step whose rollouts all fail this often is an environment bug, not bad luck
 
 
 class Orchestrator:
@@ -187,7 +188,9 @@ class Orchestrator:
         start = self.resume_point()
         self.tasks = itertools.islice(iter(self.env.taskset), self.data_position, None)
         for step in range(start, cfg.trainer.max_steps):
+            attempts = 0
             while True:  # a step is retried until it has samples: failed rollouts or a dead server lose no step
+                attempts += 1
                 try:
                     waited, load_s = await self.policy_for(step)
                     t1 = time.perf_counter()
@@ -200,6 +203,9 @@ class Orchestrator:
                 samples, dropped = drop_stale(samples, step, orch.async_level)
                 if samples:
                     break
+                if attempts >= MAX_ATTEMPTS_PER_STEP:
+                    raise RuntimeError(f"step {step}: every rollout failed {attempts} times in a row; the reasons "
+                                       "are logged above (environment, reward function or server)")  # fmt: skip
                 print(f"orchestrator: step {step}: every rollout failed; retrying the step", flush=True)
                 await self.recover_server()
             completion_tokens = sum(sum(s.sampled_mask) for s in samples)

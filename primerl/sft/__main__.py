@@ -31,6 +31,7 @@ from primerl.trainer.dist import (
     close_distributed,
     data_mesh,
     init_distributed,
+    main_rank_first,
     shard_model,
 )
 from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoint
@@ -69,14 +70,12 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
         raise ConfigError(
             "sft.batch_size", f"{cfg.sft.batch_size} is not divisible by the world size {info.world_size}"
         )
-    dp = resolve_dp_shard(cfg, info.world_size)
-    base = base_model_path(cfg) if info.is_main else None
-    dist.barrier()  # rank 0 builds the tiny model once; the others load it
-    base = base or base_model_path(cfg)
+    resolve_dp_shard(cfg, info.world_size)  # the run's layout must fit; SFT itself is plain FSDP2 over every rank
+    base = main_rank_first(info, lambda: base_model_path(cfg))
     tokenizer = AutoTokenizer.from_pretrained(base)
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(info.device)
-    shard_model(model, data_mesh(info, dp))
+    shard_model(model, data_mesh(info, info.world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
     texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * cfg.sft.batch_size, *text_lengths(cfg))

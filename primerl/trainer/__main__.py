@@ -33,7 +33,17 @@ from primerl.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, data_mesh, init_distributed, shard_model
+from primerl.trainer.context_parallel import ContextParallel
+from primerl.trainer.dist import (
+    DistInfo,
+    all_reduce_sum,
+    close_distributed,
+    data_mesh,
+    init_distributed,
+    main_rank_first,
+    shard_model,
+)
+from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.loss import policy_loss
 from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoint
 from primerl.transport import read_rollout_batch, rollout_path, weights_path
@@ -51,10 +61,10 @@ def wait_for_batch(run_dir: Path, step: int, poll_s: float = 0.2) -> tuple[Path,
     return path, time.perf_counter() - started
 
 
-def rank_micro_batches(micro: list[dict[str, torch.Tensor]], info: DistInfo) -> list[dict[str, torch.Tensor]]:
-    """This rank's share, padded with loss-free copies so every rank runs ceil(len/world) passes."""
-    per_rank = -(-len(micro) // info.world_size)
-    mine = micro[info.rank :: info.world_size]
+def rank_micro_batches(micro: list[dict[str, torch.Tensor]], dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's share, padded with loss-free copies so every rank runs ceil(len/dp) passes."""
+    per_rank = -(-len(micro) // dp)
+    mine = micro[dp_rank::dp]
     while len(mine) < per_rank:
         mine.append({**micro[0], "loss_mask": torch.zeros_like(micro[0]["loss_mask"])})
     return mine
@@ -74,11 +84,16 @@ def publish(model: torch.nn.Module, base: str, run_dir: Path, version: int, info
 def train(cfg: RunConfig, info: DistInfo) -> None:
     run_dir = Path(cfg.output_dir)
     dp = resolve_dp_shard(cfg, info.world_size)
-    base = initial_model_path(cfg)
+    base = main_rank_first(info, lambda: initial_model_path(cfg))
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, cfg.model.dtype)).to(info.device)
     model.train()
-    shard_model(model, data_mesh(info, dp))
+    cp = cfg.parallelism.cp
+    context = ContextParallel(info.rank, info.world_size, cp) if cp > 1 else None
+    if context:
+        context.enable(model)
+    # FSDP2 shards over every rank (dp_shard x cp); a CP group's ranks share each row, so they share micro-batches
+    expert_params = shard_model(model, data_mesh(info, info.world_size), cfg.parallelism.ep)
     opt = cfg.trainer.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas))
     start = latest_checkpoint(run_dir) or 0
@@ -96,9 +111,14 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         t0 = time.perf_counter()
         batch = read_rollout_batch(path)
         totals = {"kl": 0.0, "masked": 0.0, "entropy": 0.0, "tokens": 0.0, "loss": 0.0}
-        for micro in rank_micro_batches(batch.micro_batches, info):
+        for micro in rank_micro_batches(batch.micro_batches, info.rank // cp, dp):
             micro = {k: v.to(info.device) for k, v in micro.items()}
-            logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
+            if context:
+                with context.inputs(micro) as (input_ids, position_ids):
+                    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+                logits, micro = context.loss_inputs(logits, micro)
+            else:
+                logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
             parts = policy_loss(logits, micro, batch.num_loss_tokens, cfg.trainer.loss, cfg.orchestrator.temperature)
             # FSDP2 averages gradients over ranks; the loss is already a share of the global mean
             (parts.loss * info.world_size).backward()
@@ -107,6 +127,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             totals["masked"] += parts.masked_tokens
             totals["entropy"] += parts.entropy_sum
             totals["tokens"] += parts.tokens
+        scale_expert_grads(expert_params, info.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -6,12 +6,16 @@ Backend `auto` is NCCL when CUDA is present and gloo on CPU.
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,35 @@ def init_distributed(backend: str = "auto") -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+def main_rank_first(info: DistInfo, build: Callable[[], T]) -> T:
+    """Run `build` (e.g. building or downloading a model) on rank 0 first, then on the others, which then find its
+    result cached: ranks never build the same files at once."""
+    result = build() if info.is_main else None
+    if dist.is_initialized():
+        dist.barrier()
+    return result if info.is_main else build()
+
+
 def data_mesh(info: DistInfo, dp_shard: int) -> DeviceMesh:
     return init_device_mesh(info.device.type, (dp_shard,), mesh_dim_names=("dp_shard",))
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """FSDP2: each decoder layer is its own unit (all-gathered just in time), the rest is the root unit."""
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, ep: int = 1) -> set[torch.nn.Parameter]:
+    """FSDP2: each decoder layer is its own unit (all-gathered just in time), the rest is the root unit.
+
+    With ep > 1 the MoE experts are first sharded over the same mesh by expert (primerl.trainer.expert_parallel)
+    and kept out of FSDP; returns those expert parameters (empty without EP)."""
+    experts: set[torch.nn.Parameter] = set()
+    if ep > 1:
+        from primerl.trainer.expert_parallel import apply_expert_parallel
+
+        if ep != mesh.size():
+            raise ValueError(f"expert parallel needs ep == the FSDP mesh size, got ep={ep}, mesh={mesh.size()}")
+        experts = apply_expert_parallel(model, mesh)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+        fully_shard(layer, mesh=mesh, ignored_params=experts or None)
+    fully_shard(model, mesh=mesh, ignored_params=experts or None)
+    return experts
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:

