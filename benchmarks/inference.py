@@ -50,16 +50,17 @@ async def overhead(cfg, rounds: int) -> None:
     orch = Orchestrator(cfg)
     orch.tasks = iter(orch.env.taskset)
     n_tasks = cfg.orchestrator.batch_size // cfg.orchestrator.group_size
-    raw_rates, ours_rates = [], []
+    raw_rates, ours_rates, cpu_ms = [], [], []
     async with orch.env.serving():
         for r in range(rounds + 1):  # round 0 warms both paths up and is not counted
             texts = make_texts(1000 + r, n_tasks)
             tokens, seconds = await raw_round(
                 orch.base_url, texts, cfg.orchestrator.group_size, cfg.orchestrator.max_tokens
             )
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             samples, _, _ = await orch.generate(r)
             ours_s = time.perf_counter() - started
+            cpu_ms.append(1000 * (time.process_time() - cpu_started) / len(samples))
             ours_tokens = sum(sum(s.sampled_mask) for s in samples)
             if r:
                 raw_rates.append(tokens / seconds)
@@ -69,6 +70,8 @@ async def overhead(cfg, rounds: int) -> None:
     raw, ours = statistics.median(raw_rates), statistics.median(ours_rates)
     print(f"\ncompletion tokens/s (median of {rounds}): raw vLLM {raw:.0f}, through primerl {ours:.0f}, "
           f"ratio {ours / raw:.2f} ({(1 - ours / raw):+.0%} overhead)")  # fmt: skip
+    print(f"orchestrator CPU per rollout (median): {statistics.median(cpu_ms[1:]):.0f} ms (verifiers rollout, "
+          "interception, rendering, train client, scoring)")  # fmt: skip
 
 
 def weight_update(sizes: list[int], root: Path) -> None:
