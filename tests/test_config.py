@@ -47,6 +47,13 @@ def test_every_group_option_composes(group, option):
         (["model=tiny_moe", "parallelism.ep=3"], "parallelism.ep", "must divide model.arch.num_experts=4"),
         (["env=verifiers"], "env.id", "is required"),
         (["model.source=path"], "model.path", "required when model.source=path"),
+        (["model.source=path", "model.path=/no/such/model"], "model.path", "not a Hugging Face model directory"),
+        (["trainer.checkpoint_every=0"], "trainer.checkpoint_every", "must be >= 1"),
+        (
+            ["parallelism=fsdp2_cp", "trainer.seq_len=511", "inference.max_model_len=256"],
+            "trainer.seq_len",
+            "511 is not divisible by parallelism.cp=2",
+        ),
         (["sft.seq_len=4096"], "sft.seq_len", "exceeds model.arch.max_position_embeddings"),
     ],
 )
