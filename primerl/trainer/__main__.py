@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
-from primerl.metrics import append_metrics_once
+from primerl.metrics import append_metrics, read_metrics
 from primerl.sft.checkpoint import initial_model_path
 from primerl.trainer.checkpoint import (
     CorruptCheckpoint,
@@ -97,10 +97,12 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     opt = cfg.trainer.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas))
     start = latest_checkpoint(run_dir) or 0
+    # steps that already have a metrics row: a replayed step (checkpoint_every > 1) keeps its first row
+    logged = {row["step"] for row in read_metrics(run_dir, "trainer")}
     if start:
         state = load_checkpoint(model, optimizer, checkpoint_path(run_dir, start))
-        if info.is_main:
-            append_metrics_once(run_dir, "trainer", start - 1, state["metrics"])
+        if info.is_main and start - 1 not in logged:  # the predecessor died between checkpoint and metrics
+            append_metrics(run_dir, "trainer", start - 1, state["metrics"])
         if not is_stable(weights_path(run_dir, start)):  # killed between checkpoint and publish
             publish(model, base, run_dir, start, info)
     if info.is_main:
@@ -151,7 +153,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         publish(model, base, run_dir, step + 1, info)
         metrics["time/save_s"] = time.perf_counter() - t1
         if info.is_main:
-            append_metrics_once(run_dir, "trainer", step, metrics)
+            if step not in logged:
+                append_metrics(run_dir, "trainer", step, metrics)
             print(f"trainer: step {step}: loss {metrics['loss']:+.4f} mismatch_kl {metrics['mismatch_kl']:.2e} "
                   f"grad_norm {metrics['grad_norm']:.3f} ({step_s:.1f}s, waited {waited:.1f}s)", flush=True)  # fmt: skip
 
