@@ -13,8 +13,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.validate import ConfigError
-from primerl.launch.local import ChildFailed, run_local
+from primerl.launch.process import ChildFailed
+from primerl.launch.supervise import run_topology
 
 
 @hydra_app()
@@ -38,11 +38,8 @@ def main(dict_cfg: DictConfig) -> None:
                                  sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
                                  job_num=hydra_cfg.job.num if multirun else None)  # fmt: skip
             print(f"train: ledger run {ledger.run_id} in {ledger.client.tracking_uri}", flush=True)
-        if cfg.launcher.name == "local":
-            run_local(cfg, overrides, ledger)
-            status = "FINISHED"
-        else:
-            raise ConfigError("launcher.name", f"'{cfg.launcher.name}' is not available yet; use launcher=local")
+        run_topology(cfg, overrides, make_launcher(cfg), ledger)
+        status = "FINISHED"
     except ChildFailed as err:
         print(f"train: {err}", file=sys.stderr)
         sys.exit(1)
@@ -54,6 +51,17 @@ def main(dict_cfg: DictConfig) -> None:
         if ledger is not None:
             ledger.finish(status)
     return final_reward(cfg)
+
+
+def make_launcher(cfg):
+    run_dir = Path(cfg.output_dir).resolve()
+    if cfg.launcher.name == "slurm":
+        from primerl.launch.slurm import SlurmLauncher
+
+        return SlurmLauncher(cfg, run_dir)
+    from primerl.launch.local import LocalLauncher
+
+    return LocalLauncher(cfg, run_dir)
 
 
 def final_reward(cfg) -> float | None:

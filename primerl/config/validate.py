@@ -86,6 +86,26 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
     if par.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
+    _validate_launcher(cfg)
+
+
+def _validate_launcher(cfg: RunConfig) -> None:
+    lc = cfg.launcher
+    if lc.name not in ("local", "slurm"):
+        raise ConfigError("launcher.name", f"'{lc.name}' is not one of [local, slurm]")
+    for key in ("trainer_nodes", "trainer_tasks_per_node", "cpus_per_task", "time_limit_min"):
+        if getattr(lc, key) < 1:
+            raise ConfigError(f"launcher.{key}", f"must be >= 1, got {getattr(lc, key)}")
+    if lc.name == "local" and lc.trainer_nodes != 1:
+        raise ConfigError(
+            "launcher.trainer_nodes", f"{lc.trainer_nodes} nodes need launcher=slurm; local is one machine"
+        )
+    if lc.name == "slurm":
+        if lc.signal_delay_s >= lc.time_limit_min * 60:
+            raise ConfigError("launcher.signal_delay_s", f"{lc.signal_delay_s}s is not shorter than the time limit "
+                              f"launcher.time_limit_min={lc.time_limit_min}")  # fmt: skip
+        if cfg.inference.pd.enabled:
+            raise ConfigError("inference.pd.enabled", "prefill/decode servers are not placed by launcher=slurm yet")
 
 
 def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:

@@ -11,7 +11,7 @@
 import fcntl
 import json
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
@@ -78,9 +78,11 @@ class Ledger:
     def open(cls, cfg: RunConfig, resolved: DictConfig, run_dir: Path, kind: str = "train",
              sweep_dir: Path | None = None, job_num: int | None = None) -> "Ledger":  # fmt: skip
         """Start (or, when `<run_dir>/ledger.json` exists, resume) this run's MLflow run."""
-        client = MlflowClient(tracking_uri(cfg))
         store_dir = None if cfg.ledger.tracking_uri else Path(cfg.ledger.store_dir).resolve()
-        experiment = _experiment_id(client, cfg.ledger.experiment_name, store_dir)
+        # the first user of a new embedded store creates its tables; sweep jobs start together: one at a time
+        with _locked(store_dir / "mlflow.db") if store_dir else nullcontext():
+            client = MlflowClient(tracking_uri(cfg))
+            experiment = _experiment_id(client, cfg.ledger.experiment_name, store_dir)
         record = run_dir / LEDGER_FILE
         if record.exists():
             run_id = json.loads(record.read_text())["run_id"]

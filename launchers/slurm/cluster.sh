@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# A real single-node SLURM cluster on 127.0.0.1, for development and CI: munge, MariaDB + slurmdbd (accounting, which
+# submitit's `sacct` polling needs), slurmctld and slurmd. Needs root (the daemons run as root; packages from apt).
+#
+#   launchers/slurm/cluster.sh start    # install what is missing, write configs, start the daemons, wait for the node
+#   launchers/slurm/cluster.sh stop     # cancel every job, stop the daemons (state stays in $PRIMERL_SLURM_DIR)
+#   launchers/slurm/cluster.sh status   # sinfo + squeue
+#   eval "$(launchers/slurm/cluster.sh env)"   # SLURM_CONF for sbatch/squeue/sacct in this shell
+#
+# Everything lives in $PRIMERL_SLURM_DIR (default /tmp/primerl-slurm); /etc is not touched. Clients find the
+# cluster through SLURM_CONF. Ports: slurmctld 6817, slurmd 6818, slurmdbd 6819, MariaDB 3307, all on 127.0.0.1.
+set -euo pipefail
+
+DIR=${PRIMERL_SLURM_DIR:-/tmp/primerl-slurm}
+CLUSTER=primerl
+DB_PORT=3307
+NODE_CPUS=${PRIMERL_SLURM_CPUS:-16}
+export SLURM_CONF=$DIR/etc/slurm.conf
+PACKAGES=(slurm-wlm slurmdbd munge mariadb-server-core)
+
+log() { echo "slurm-cluster: $*" >&2; }
+trap 'log "failed at line $LINENO: $BASH_COMMAND (logs in $DIR/log)"' ERR
+
+install_packages() {
+  local missing=()
+  for pkg in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
+  [ "$(id -u)" -eq 0 ] || { log "needs root to install ${missing[*]}"; exit 1; }
+  log "installing ${missing[*]} (apt, about 30 s)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >"$DIR/log/apt.log" 2>&1 \
+    || { apt-get update -q >>"$DIR/log/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+         "${missing[@]}" >>"$DIR/log/apt.log" 2>&1; } || { log "apt failed; see $DIR/log/apt.log"; exit 1; }
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+  local seconds=$1 what=$2; shift 2
+  for _ in $(seq $((seconds * 10))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
+  log "$what did not come up in ${seconds}s; logs in $DIR/log"; exit 1
+}
+
+write_configs() {
+  local memory
+  memory=$(slurmd -C | head -n 1 | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+  cat >"$DIR/etc/slurm.conf" <<EOF
+ClusterName=$CLUSTER
+SlurmctldHost=$(hostname)(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=6817
+SlurmdPort=6818
+CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+AuthType=auth/munge
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobRequeue=1
+KillWait=10
+# A requeued job waits cred_expire seconds (default 120) before it may start, and pending jobs are looked at every
+# sched_interval seconds (default 60): a development cluster wants both short.
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2,bf_interval=2
+MinJobAge=600
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=6819
+JobAcctGatherType=jobacct_gather/none
+# The node claims $NODE_CPUS CPUs whatever it has (config_overrides): a run's 3 jobs must fit at once even on 2 cores.
+SlurmdParameters=config_overrides
+NodeName=$(hostname) NodeAddr=127.0.0.1 CPUs=$NODE_CPUS RealMemory=$memory State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  cat >"$DIR/etc/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=6819
+SlurmUser=root
+PidFile=$DIR/run/slurmdbd.pid
+LogFile=$DIR/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=root
+StorageLoc=slurm_acct_db
+EOF
+  chmod 600 "$DIR/etc/slurmdbd.conf"  # slurmdbd refuses a readable config
+}
+
+start_munge() {
+  if ! pgrep -x munged >/dev/null; then
+    mkdir -p /run/munge && chown munge:munge /run/munge
+    [ -s /etc/munge/munge.key ] || { mungekey --create >/dev/null 2>&1 || /usr/sbin/create-munge-key -f; }
+    runuser -u munge -- /usr/sbin/munged
+  fi
+  wait_for 10 munged bash -c 'munge -n | unmunge'
+}
+
+start_mariadb() {
+  # accounting for a throwaway loopback cluster: no grant tables (so no system tables to install), 127.0.0.1 only
+  mkdir -p "$DIR/mysql"
+  mariadbd --user=root --datadir="$DIR/mysql" --socket="$DIR/run/mysqld.sock" --pid-file="$DIR/run/mariadb.pid" \
+    --bind-address=127.0.0.1 --port=$DB_PORT --skip-grant-tables --log-error="$DIR/log/mariadb.log" \
+    </dev/null >>"$DIR/log/mariadb.log" 2>&1 &
+  wait_for 30 MariaDB bash -c "exec 3<>/dev/tcp/127.0.0.1/$DB_PORT"
+}
+
+start() {
+  mkdir -p "$DIR"/{etc,state,spool,run,log}
+  install_packages
+  if sinfo -h -o %T 2>/dev/null | grep -q idle; then log "already running ($SLURM_CONF)"; return; fi
+  write_configs
+  start_munge
+  start_mariadb
+  slurmdbd  # reads slurmdbd.conf beside $SLURM_CONF
+  wait_for 30 slurmdbd bash -c "exec 3<>/dev/tcp/127.0.0.1/6819"
+  sacctmgr -i add cluster $CLUSTER >/dev/null 2>&1 || true
+  slurmctld -c  # -c: start clean, forgetting jobs of an earlier cluster in this directory
+  wait_for 30 slurmctld scontrol ping
+  slurmd
+  wait_for 60 "the node" bash -c "sinfo -h -o %T | grep -q idle"
+  log "up: $(sinfo -h -o '%P %D %T %c CPUs')  (export SLURM_CONF=$SLURM_CONF)"
+}
+
+stop_pidfile() {
+  local pidfile=$DIR/run/$1.pid
+  [ -f "$pidfile" ] || return 0
+  local pid; pid=$(cat "$pidfile")
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$pid" 2>/dev/null || true
+  rm -f "$pidfile"
+}
+
+stop() {
+  if [ -f "$SLURM_CONF" ]; then scancel --full --quiet --user="$(id -un)" 2>/dev/null || true; fi
+  for daemon in slurmd slurmctld slurmdbd mariadb; do stop_pidfile $daemon; done
+  log "stopped"
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) sinfo; squeue ;;
+  env) echo "export SLURM_CONF=$SLURM_CONF" ;;
+  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+esac

@@ -1,0 +1,186 @@
+"""Run the RL topology as SLURM jobs through submitit: inference, orchestrator and trainer (SFT first when needed).
+
+Invariants:
+- A job runs the same process command as the local launcher and logs to the same `<run>/logs/<name>.log`
+  (the trainer's rank r > 0 to `trainer-rank<r>.log`); submitit's own files are in `<run>/slurm/<job id>/`.
+- The inference job writes its address to `<run>/inference_address.json` (with its job id) once it knows its node and
+  port; the orchestrator job waits for the address of *its* inference job and is given it as overrides. A wildcard
+  `inference.host` (0.0.0.0) is advertised as the node's host name; `inference.port=0` takes a free port on the node.
+- The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
+  no torchrun inside a job.
+- A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
+  other jobs, and the driver exits 1 naming the job, its state and its last log lines.
+- SLURM signals a job `launcher.signal_delay_s` before its time limit, or on preemption: the job stops its process
+  and requeues itself (submitit's Checkpointable). The processes resume from their last checkpoint and batch.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import submitit
+
+from primerl.config.schema import RunConfig
+from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
+
+ADDRESS_FILE = "inference_address.json"
+# States a job can be in while it still may finish well (a requeued job passes through PENDING/REQUEUED again).
+LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+               "RESIZING", "SUSPENDED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "UNKNOWN"}  # fmt: skip
+WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+_running: subprocess.Popen | None = None  # the process of this job, for `checkpoint` to stop
+
+
+@dataclass
+class ModuleJob(submitit.helpers.Checkpointable):
+    """One process of the run as the body of a SLURM job (every task of the job runs it)."""
+
+    name: str  # inference | orchestrator | trainer | sft
+    module: str
+    overrides: list[str]
+    run_dir: str
+    inference_host: str = "127.0.0.1"
+    inference_port: int = 0
+    inference_job_id: str | None = None  # orchestrator: whose address to wait for
+    wait_s: float = 600.0
+
+    def __call__(self) -> None:
+        global _running
+        env = child_env(threads=int(os.environ.get("SLURM_CPUS_PER_TASK", "0")) or None)
+        overrides = [*self.overrides, *self._address_overrides()]
+        run_dir = Path(self.run_dir) / "sft" if self.name == "sft" else Path(self.run_dir)
+        log = Path(self.run_dir) / "logs" / f"{self.name}.log"
+        if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+            dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            if dist.rank > 0:
+                log = log.with_name(f"{self.name}-rank{dist.rank}.log")
+            env.update({k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                    "LOCAL_WORLD_SIZE")})  # fmt: skip
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            _running = subprocess.Popen(module_command(self.module, overrides, run_dir), stdout=out,
+                                        stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        # polled, not wait()ed: `checkpoint` runs as a signal handler and must be able to wait for the process itself
+        while (code := _running.poll()) is None:
+            time.sleep(1.0)
+        if code != 0:
+            raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
+
+    def _address_overrides(self) -> list[str]:
+        address = Path(self.run_dir) / ADDRESS_FILE
+        if self.name == "inference":
+            port = self.inference_port or _free_port()
+            host = socket.getfqdn() if self.inference_host in WILDCARD_HOSTS else self.inference_host
+            tmp = address.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
+            tmp.replace(address)
+            return [f"inference.port={port}"]
+        if self.name == "orchestrator":
+            found = _wait_for_address(address, self.inference_job_id, self.wait_s)
+            return [f"inference.host={found['host']}", f"inference.port={found['port']}"]
+        return []
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        """Time limit near, or preempted: stop the process (it checkpoints every step) and requeue this job."""
+        if _running is not None and _running.poll() is None:
+            _running.terminate()
+            try:
+                _running.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _running.kill()
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def _job_id() -> str:
+    return os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID", ""))
+
+
+def _free_port() -> int:
+    from primerl.trainer.dist import free_port
+
+    return free_port()
+
+
+def _wait_for_address(path: Path, job_id: str | None, wait_s: float) -> dict:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            found = json.loads(path.read_text())
+            if job_id is None or found.get("job_id") == job_id:
+                return found
+        except (OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"no address from inference job {job_id} in {path} after {wait_s:.0f}s")
+
+
+@dataclass
+class SlurmLauncher:
+    cfg: RunConfig
+    run_dir: Path
+    jobs: dict[str, submitit.Job] = field(default_factory=dict)
+
+    @property
+    def poll_s(self) -> float:
+        return self.cfg.launcher.poll_s
+
+    def _submit(self, name: str, module: str, overrides: list[str], nodes: int = 1, tasks: int = 1,
+                gpus: int = 0, **job_args) -> submitit.Job:  # fmt: skip
+        lc = self.cfg.launcher
+        executor = submitit.SlurmExecutor(folder=self.run_dir / "slurm" / "%j", max_num_timeout=lc.max_requeues)
+        executor.update_parameters(
+            job_name=f"{self.cfg.name}-{name}", partition=lc.partition, account=lc.account, qos=lc.qos,
+            time=lc.time_limit_min, nodes=nodes, ntasks_per_node=tasks, cpus_per_task=lc.cpus_per_task,
+            gpus_per_node=gpus or None, signal_delay_s=lc.signal_delay_s, setup=list(lc.setup),
+        )  # fmt: skip
+        job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
+        self.jobs[name] = job
+        print(f"train: {name} is SLURM job {job.job_id}", flush=True)
+        return job
+
+    def _trainer_placement(self) -> dict:
+        lc = self.cfg.launcher
+        return {"nodes": lc.trainer_nodes, "tasks": lc.trainer_tasks_per_node, "gpus": lc.trainer_gpus}
+
+    def run_sft(self, overrides: list[str]) -> None:
+        self._submit("sft", "primerl.sft", overrides, **self._trainer_placement())
+        while not (submitit.SlurmJob.watcher.update() or self._ended_well("sft")):
+            time.sleep(self.poll_s)
+
+    def start(self, overrides: list[str]) -> None:
+        (self.run_dir / ADDRESS_FILE).unlink(missing_ok=True)  # an earlier attempt's server is gone
+        inf = self.cfg.inference
+        inference = self._submit("inference", "primerl.inference", overrides, gpus=self.cfg.launcher.inference_gpus,
+                                 inference_host=inf.host, inference_port=inf.port)  # fmt: skip
+        self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_id=inference.job_id,
+                     wait_s=inf.startup_timeout_s + 3600)  # fmt: skip # the inference job may queue first
+        self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())
+
+    def _ended_well(self, name: str) -> bool:
+        """True when the job COMPLETED; raise ChildFailed when it ended any other way."""
+        job = self.jobs[name]
+        state = job.state.split(" ")[0]  # e.g. "CANCELLED by 0"
+        if state == "COMPLETED":
+            return True
+        if state in LIVE_STATES:
+            return False
+        log = self.run_dir / "logs" / f"{name}.log"
+        raise ChildFailed(f"{name} (SLURM job {job.job_id}) ended {job.state}; last lines of {log}:\n{log_tail(log)}")
+
+    def finished(self) -> bool:
+        submitit.SlurmJob.watcher.update()  # one sacct call for all jobs; submitit alone may wait minutes between
+        done = [self._ended_well(name) for name in ("trainer", "orchestrator")]
+        if not all(done) and self._ended_well("inference"):
+            raise ChildFailed(f"inference (SLURM job {self.jobs['inference'].job_id}) ended before the run did")
+        return all(done)
+
+    def stop_all(self) -> None:
+        for name, job in self.jobs.items():
+            if job.state.split(" ")[0] in LIVE_STATES:
+                job.cancel(check=False)
+                print(f"train: cancelled {name} (SLURM job {job.job_id})", flush=True)

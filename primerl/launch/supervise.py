@@ -1,0 +1,93 @@
+"""The run loop every launcher shares: SFT warm-start if needed, start the topology, watch it, stop it.
+
+A launcher places the processes (local children, SLURM jobs); this loop does the rest the same way for all of them:
+progress (one line per trainer step), the ledger (metrics as they appear, artifacts at the end, whatever happened),
+and stopping everything on the first failure, on Ctrl-C or on SIGTERM.
+"""
+
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from primerl.config.schema import RunConfig
+from primerl.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from primerl.ledger.mlflow_ledger import Ledger
+
+
+class Launcher(Protocol):
+    poll_s: float
+
+    def run_sft(self, overrides: list[str]) -> None:
+        """Run the SFT warm-start to the end; raise ChildFailed if it fails."""
+
+    def start(self, overrides: list[str]) -> None:
+        """Start inference, orchestrator and trainer."""
+
+    def finished(self) -> bool:
+        """True once trainer and orchestrator ended well; raise ChildFailed as soon as any process ended badly."""
+
+    def stop_all(self) -> None:
+        """Stop whatever still runs (idempotent)."""
+
+
+def sft_needed(cfg: RunConfig) -> bool:
+    from primerl.sft.checkpoint import sft_checkpoint_dir
+    from primerl.trainer.weights import is_stable
+
+    if not cfg.sft.enabled:
+        return False
+    target = sft_checkpoint_dir(cfg)
+    if is_stable(target):
+        print(f"train: SFT warm-start found at {target}", flush=True)
+        return False
+    print(f"train: SFT warm-start ({cfg.sft.steps} steps) -> {target}", flush=True)
+    return True
+
+
+def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledger: "Ledger | None" = None) -> None:
+    from primerl.ledger.mlflow_ledger import MetricsFollower
+    from primerl.ledger.record import record_artifacts, record_sft
+
+    run_dir = Path(cfg.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    follower = MetricsFollower(ledger) if ledger else None
+    try:
+        if sft_needed(cfg):
+            # the train run's ledger records the SFT results; the SFT process keeps none of its own
+            launcher.run_sft([*overrides, "ledger.enabled=false"])
+        if ledger:
+            record_sft(ledger, run_dir / "sft" / "sft_metrics.json")
+        launcher.start(overrides)
+        print(f"train: run directory {run_dir} (logs in {run_dir / 'logs'})", flush=True)
+        shown = 0
+        while not launcher.finished():
+            shown = _print_progress(run_dir, cfg, shown)
+            if follower:
+                follower.poll()
+            time.sleep(launcher.poll_s)
+        _print_progress(run_dir, cfg, shown)
+        print(f"train: done; {cfg.trainer.max_steps} steps in {run_dir}", flush=True)
+    finally:
+        launcher.stop_all()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if follower and ledger:  # whatever happened, the record keeps everything produced so far
+            follower.poll()
+            record_artifacts(ledger, cfg, run_dir)
+
+
+def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
+    orch = {row["step"]: row for row in read_metrics(run_dir, "orchestrator")}
+    trainer_rows = read_metrics(run_dir, "trainer")
+    for row in trainer_rows[shown:]:
+        o = orch.get(row["step"], {})
+        reward = o.get("reward/mean")
+        print(f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {reward if reward is None else f'{reward:.3f}'}"
+              f"  loss {row['loss']:+.4f}  mismatch_kl {row['mismatch_kl']:.1e}  "
+              f"gen {o.get('time/generate_s', 0):.1f}s  train {row['time/step_s']:.1f}s", flush=True)  # fmt: skip
+    return len(trainer_rows)

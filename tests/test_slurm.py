@@ -1,0 +1,141 @@
+"""Runs through a real single-node SLURM cluster on 127.0.0.1 (`launchers/slurm/cluster.sh`: munge, MariaDB + slurmdbd,
+slurmctld, slurmd), started here if it is not up, and stopped again if it was started here."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from primerl.metrics import read_metrics
+from tests.conftest import ROOT, run_module
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = ROOT / "launchers" / "slurm" / "cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    started = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=900)
+    assert started.returncode == 0, started.stderr
+    conf = re.search(r"SLURM_CONF=(\S+)\)", started.stderr) or re.search(r"\((\S+slurm\.conf)\)", started.stderr)
+    assert conf, started.stderr
+    os.environ["SLURM_CONF"] = conf.group(1)
+    yield
+    if "already running" not in started.stderr:
+        subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120)
+
+
+def _slurm(*cmd: str) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def _states(job_id: str) -> list[str]:
+    """Every accounting record of the job, oldest first (a requeued job has one per start)."""
+    out = _slurm("sacct", "-n", "-X", "-D", "-P", "-j", job_id, "-o", "State")
+    return [line.split(" ")[0] for line in out.splitlines() if line]
+
+
+def _driver(run: Path, *overrides: str, steps: int) -> tuple[subprocess.Popen, Path]:
+    out = run.parent / f"{run.name}.out"
+    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "launcher=slurm", "launcher.poll_s=1",
+           "sft.enabled=false", f"trainer.max_steps={steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
+           "inference.port=0", f"hydra.run.dir={run}", f"ledger.store_dir={run.parent / 'ledger'}", *overrides]  # fmt: skip
+    with open(out, "w") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True), out
+
+
+def _job_ids(out: Path, timeout: float = 120) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = dict(re.findall(r"train: (\w+) is SLURM job (\d+)", out.read_text()))
+        if {"inference", "orchestrator", "trainer"} <= set(ids):
+            return ids
+        time.sleep(0.5)
+    raise AssertionError(out.read_text()[-3000:])
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(1.0)
+
+
+def test_run_on_slurm_with_two_trainer_ranks_survives_a_preemption(slurm, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    driver, out = _driver(run, "launcher.trainer_tasks_per_node=2", steps=4)
+    try:
+        jobs = _job_ids(out)
+        _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
+        # what SLURM does before a time limit or on preemption: USR2 to the job; the job requeues itself
+        _slurm("scancel", "--signal=USR2", jobs["trainer"])
+        driver.wait(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    text = out.read_text()
+    assert driver.returncode == 0, text[-4000:]
+    assert "step 4/4" in text
+    assert [r["step"] for r in read_metrics(run, "trainer")] == [0, 1, 2, 3]  # every step once
+    assert [r["step"] for r in read_metrics(run, "orchestrator")] == [0, 1, 2, 3]
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert "on 2 rank(s)" in trainer_log and (run / "logs" / "trainer-rank1.log").exists()
+    resumed = re.findall(r"starting at step (\d+) from \S+checkpoints", trainer_log)
+    assert resumed and int(resumed[0]) >= 2, trainer_log[-2000:]  # requeued, and went on from its checkpoint
+    assert _states(jobs["trainer"]) == ["REQUEUED", "COMPLETED"]
+    assert _states(jobs["orchestrator"]) == ["COMPLETED"]
+    assert _states(jobs["inference"]) == ["CANCELLED"]  # the driver stops the server at the end
+    assert _slurm("squeue", "-h", "-o", "%i") == ""
+    record = json.loads((run / "ledger.json").read_text())
+    mlrun = MlflowClient(record["tracking_uri"]).get_run(record["run_id"])
+    assert mlrun.info.status == "FINISHED" and mlrun.data.tags["launcher"] == "slurm"
+
+
+def test_cancelled_job_stops_the_whole_run(slurm, cache_dir, tmp_path):
+    run = tmp_path / "cancelled"
+    driver, out = _driver(run, steps=20)
+    try:
+        jobs = _job_ids(out)
+        _wait(lambda: _slurm("squeue", "-h", "-j", jobs["orchestrator"], "-o", "%T").strip() == "RUNNING", 300,
+              "the orchestrator job never ran")  # fmt: skip
+        _slurm("scancel", jobs["orchestrator"])
+        driver.wait(timeout=180)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    text = out.read_text()
+    assert driver.returncode == 1, text[-3000:]
+    assert f"orchestrator (SLURM job {jobs['orchestrator']}) ended CANCELLED" in text
+    _wait(lambda: _slurm("squeue", "-h", "-o", "%i") == "", 60, "jobs of the run are still queued or running")
+    assert {name: _states(job)[-1] for name, job in jobs.items()} == dict.fromkeys(jobs, "CANCELLED")
+    record = json.loads((run / "ledger.json").read_text())
+    assert MlflowClient(record["tracking_uri"]).get_run(record["run_id"]).info.status == "FAILED"
+
+
+def test_two_job_sweep_through_submitit_slurm(slurm, cache_dir, tmp_path):
+    sweep, store = tmp_path / "sweep", tmp_path / "store"
+    # each sweep point is one SLURM job (an array task) running the whole topology on its node; two run at once,
+    # so each takes a free port for its inference server
+    result = run_module("primerl.train", "-m", "hydra/launcher=submitit_slurm", "+experiment=reverse_text",
+                        "sft.enabled=false", "trainer.max_steps=1", "orchestrator.batch_size=8",
+                        "orchestrator.group_size=4", "trainer.optim.lr=1e-4,2e-4", "inference.port=0",
+                        "hydra.launcher.timeout_min=30", "hydra.launcher.cpus_per_task=2",
+                        f"hydra.sweep.dir={sweep}", f"ledger.store_dir={store}", timeout=1200)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    parent = json.loads((sweep / "ledger_parent.json").read_text())["run_id"]
+    experiment = client.get_experiment_by_name("reverse_text").experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(r.data.params["trainer.optim.lr"] for r in children) == ["0.0001", "0.0002"]
+    assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
+    array_ids = {r.data.tags["slurm.array_job_id"] for r in children}
+    assert len(array_ids) == 1 and sorted(r.data.tags["slurm.array_task_id"] for r in children) == ["0", "1"]
+    array = array_ids.pop()  # the jobs end in SLURM's books a moment after their results are back
+    _wait(lambda: [_states(f"{array}_{i}") for i in (0, 1)] == [["COMPLETED"]] * 2, 60, "sweep jobs did not complete")
