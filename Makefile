@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 EXPERIMENT ?= reverse_text
 
-.PHONY: install train sft test test-fast lint clean
+.PHONY: install train sft test test-fast test-long lint clean
 
 install: $(STAMP)
 
@@ -27,15 +27,19 @@ train: install
 sft: install
 	$(PY) -m primerl.sft +experiment=$(EXPERIMENT)
 
+# the default suite (~20 min here); `long` tests (several minutes each) run in CI after it, or with `make test-long`
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+
+test-long: install
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not long" $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check primerl tests benchmarks
-	$(VENV)/bin/ruff format --check primerl tests benchmarks
+	$(VENV)/bin/ruff check primerl tests benchmarks environments
+	$(VENV)/bin/ruff format --check primerl tests benchmarks environments
 
 clean:
 	rm -rf outputs multirun .pytest_cache

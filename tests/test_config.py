@@ -125,5 +125,6 @@ def test_conf_groups_match_the_schema():
         "launcher",
         "ledger",
         "experiment",
+        "hydra",  # Hydra's own groups: hydra/sweeper=optuna_reward
     }
     assert {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()} == expected

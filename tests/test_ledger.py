@@ -132,6 +132,7 @@ def test_multirun_sweep_records_parent_and_children(cache_dir, tmp_path):
     children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
     assert sorted(r.data.params["trainer.optim.lr"] for r in children) == ["0.0001", "0.0002"]
     assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
+    assert client.get_run(parent).info.status == "FINISHED"  # closed by the sweep callback
     compared = run_module("primerl.compare", "--store-dir", str(tmp_path / "store"), "--sweep", str(sweep),
                           "--plot", str(tmp_path / "sweep.png"), timeout=120)  # fmt: skip
     assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout

@@ -147,6 +147,7 @@ def _kill_child(train, run, module: str) -> str:
     return err
 
 
+@pytest.mark.long
 def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -119,6 +119,7 @@ def test_cancelled_job_stops_the_whole_run(slurm, cache_dir, tmp_path):
     assert MlflowClient(record["tracking_uri"]).get_run(record["run_id"]).info.status == "FAILED"
 
 
+@pytest.mark.long
 def test_two_job_sweep_through_submitit_slurm(slurm, cache_dir, tmp_path):
     sweep, store = tmp_path / "sweep", tmp_path / "store"
     # each sweep point is one SLURM job (an array task) running the whole topology on its node; two run at once,
@@ -135,6 +136,7 @@ def test_two_job_sweep_through_submitit_slurm(slurm, cache_dir, tmp_path):
     children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
     assert sorted(r.data.params["trainer.optim.lr"] for r in children) == ["0.0001", "0.0002"]
     assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
+    assert client.get_run(parent).info.status == "FINISHED"  # closed by the sweep callback
     array_ids = {r.data.tags["slurm.array_job_id"] for r in children}
     assert len(array_ids) == 1 and sorted(r.data.tags["slurm.array_task_id"] for r in children) == ["0", "1"]
     array = array_ids.pop()  # the jobs end in SLURM's books a moment after their results are back

@@ -114,7 +114,7 @@ class Ledger:
                 return json.loads(path.read_text())["run_id"]
             run = client.create_run(experiment, run_name=f"sweep-{sweep_dir.name}",
                                     tags={"primerl.kind": "sweep", "primerl.sweep_dir": str(sweep_dir)})  # fmt: skip
-            path.write_text(json.dumps({"run_id": run.info.run_id}))
+            path.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": client.tracking_uri}))
             return run.info.run_id
 
     def log_metrics(self, step: int, values: dict[str, float | None], prefix: str = "",
@@ -169,3 +169,16 @@ class MetricsFollower:
                     step, stamp = row.pop("step"), row.pop("time", None)
                     self.ledger.log_metrics(step, row, f"{process}/", int(stamp * 1000) if stamp else None)
         self.offsets_file.write_text(json.dumps(self.offsets))
+
+
+def finish_sweep(sweep_dir: Path) -> None:
+    """Mark a sweep's parent run FINISHED when every child finished, else FAILED (no-op without a parent)."""
+    path = sweep_dir / PARENT_FILE
+    if not path.exists():
+        return
+    parent = json.loads(path.read_text())
+    client = MlflowClient(parent["tracking_uri"])
+    run = client.get_run(parent["run_id"])
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    ok = bool(children) and all(child.info.status == "FINISHED" for child in children)
+    client.set_terminated(run.info.run_id, status="FINISHED" if ok else "FAILED")
