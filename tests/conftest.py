@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -26,3 +27,18 @@ def run_module(module: str, *args: str, timeout: float = 600, env: dict | None =
         cmd = [sys.executable, "-m", module, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+
+
+def sweep_children(store: Path, sweep: Path, lrs: list[str]) -> list:
+    """The MLflow children of a finished 2-point lr sweep, checked: one per lr, all FINISHED with rewards, and the
+    parent closed by the sweep callback."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    parent = json.loads((sweep / "ledger_parent.json").read_text())["run_id"]
+    experiment = client.get_experiment_by_name("reverse_text").experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(r.data.params["trainer.optim.lr"] for r in children) == lrs
+    assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
+    assert client.get_run(parent).info.status == "FINISHED"
+    return children

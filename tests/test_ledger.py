@@ -13,7 +13,7 @@ from primerl.config.cli import check, compose
 from primerl.ledger.mlflow_ledger import Ledger, MetricsFollower, flatten
 from primerl.metrics import append_metrics
 from primerl.trainer.dist import free_port
-from tests.conftest import run_module
+from tests.conftest import run_module, sweep_children
 
 
 def _cfg(tmp_path, *overrides):
@@ -126,13 +126,7 @@ def test_multirun_sweep_records_parent_and_children(cache_dir, tmp_path):
                         f"inference.port={free_port()}", f"hydra.sweep.dir={sweep}",
                         f"ledger.store_dir={tmp_path / 'store'}", timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
-    parent = json.loads((sweep / "ledger_parent.json").read_text())["run_id"]
-    experiment = client.get_experiment_by_name("reverse_text").experiment_id
-    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
-    assert sorted(r.data.params["trainer.optim.lr"] for r in children) == ["0.0001", "0.0002"]
-    assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
-    assert client.get_run(parent).info.status == "FINISHED"  # closed by the sweep callback
+    sweep_children(tmp_path / "store", sweep, ["0.0001", "0.0002"])
     compared = run_module("primerl.compare", "--store-dir", str(tmp_path / "store"), "--sweep", str(sweep),
                           "--plot", str(tmp_path / "sweep.png"), timeout=120)  # fmt: skip
     assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout

@@ -1,6 +1,7 @@
 """Runs through a real single-node SLURM cluster on 127.0.0.1 (`launchers/slurm/cluster.sh`: munge, MariaDB + slurmdbd,
 slurmctld, slurmd), started here if it is not up, and stopped again if it was started here."""
 
+import contextlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from primerl.metrics import read_metrics
-from tests.conftest import ROOT, run_module
+from tests.conftest import ROOT, run_module, sweep_children
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +43,21 @@ def _states(job_id: str) -> list[str]:
     return [line.split(" ")[0] for line in out.splitlines() if line]
 
 
-def _driver(run: Path, *overrides: str, steps: int) -> tuple[subprocess.Popen, Path]:
+@contextlib.contextmanager
+def _driver(run: Path, *overrides: str, steps: int):
+    """`primerl.train launcher=slurm ...` in the background, yielding (process, its output file); killed if still
+    alive on the way out."""
     out = run.parent / f"{run.name}.out"
     cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "launcher=slurm", "launcher.poll_s=1",
            "sft.enabled=false", f"trainer.max_steps={steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
            "inference.port=0", f"hydra.run.dir={run}", f"ledger.store_dir={run.parent / 'ledger'}", *overrides]  # fmt: skip
     with open(out, "w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True), out
+        driver = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield driver, out
+    finally:
+        if driver.poll() is None:
+            driver.kill()
 
 
 def _job_ids(out: Path, timeout: float = 120) -> dict[str, str]:
@@ -70,16 +79,12 @@ def _wait(condition, timeout: float, what: str) -> None:
 
 def test_run_on_slurm_with_two_trainer_ranks_survives_a_preemption(slurm, cache_dir, tmp_path):
     run = tmp_path / "run"
-    driver, out = _driver(run, "launcher.trainer_tasks_per_node=2", steps=4)
-    try:
+    with _driver(run, "launcher.trainer_tasks_per_node=2", steps=4) as (driver, out):
         jobs = _job_ids(out)
         _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
-        # what SLURM does before a time limit or on preemption: USR2 to the job; the job requeues itself
+        # what SLURM does before a job's time limit: USR2; the job requeues itself
         _slurm("scancel", "--signal=USR2", jobs["trainer"])
         driver.wait(timeout=900)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
     text = out.read_text()
     assert driver.returncode == 0, text[-4000:]
     assert "step 4/4" in text
@@ -100,16 +105,12 @@ def test_run_on_slurm_with_two_trainer_ranks_survives_a_preemption(slurm, cache_
 
 def test_cancelled_job_stops_the_whole_run(slurm, cache_dir, tmp_path):
     run = tmp_path / "cancelled"
-    driver, out = _driver(run, steps=20)
-    try:
+    with _driver(run, steps=20) as (driver, out):
         jobs = _job_ids(out)
         _wait(lambda: _slurm("squeue", "-h", "-j", jobs["orchestrator"], "-o", "%T").strip() == "RUNNING", 300,
               "the orchestrator job never ran")  # fmt: skip
         _slurm("scancel", jobs["orchestrator"])
         driver.wait(timeout=180)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
     text = out.read_text()
     assert driver.returncode == 1, text[-3000:]
     assert f"orchestrator (SLURM job {jobs['orchestrator']}) ended CANCELLED" in text
@@ -130,13 +131,7 @@ def test_two_job_sweep_through_submitit_slurm(slurm, cache_dir, tmp_path):
                         "hydra.launcher.timeout_min=30", "hydra.launcher.cpus_per_task=2",
                         f"hydra.sweep.dir={sweep}", f"ledger.store_dir={store}", timeout=1200)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
-    parent = json.loads((sweep / "ledger_parent.json").read_text())["run_id"]
-    experiment = client.get_experiment_by_name("reverse_text").experiment_id
-    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
-    assert sorted(r.data.params["trainer.optim.lr"] for r in children) == ["0.0001", "0.0002"]
-    assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
-    assert client.get_run(parent).info.status == "FINISHED"  # closed by the sweep callback
+    children = sweep_children(store, sweep, ["0.0001", "0.0002"])
     array_ids = {r.data.tags["slurm.array_job_id"] for r in children}
     assert len(array_ids) == 1 and sorted(r.data.tags["slurm.array_task_id"] for r in children) == ["0", "1"]
     array = array_ids.pop()  # the jobs end in SLURM's books a moment after their results are back
