@@ -149,7 +149,10 @@ class SlurmLauncher:
 
     def run_sft(self, overrides: list[str]) -> None:
         self._submit("sft", "primerl.sft", overrides, **self._trainer_placement())
-        while not (submitit.SlurmJob.watcher.update() or self._ended_well("sft")):
+        while True:
+            self._refresh()
+            if self._ended_well("sft"):
+                return
             time.sleep(self.poll_s)
 
     def start(self, overrides: list[str]) -> None:
@@ -172,8 +175,13 @@ class SlurmLauncher:
         log = self.run_dir / "logs" / f"{name}.log"
         raise ChildFailed(f"{name} (SLURM job {job.job_id}) ended {job.state}; last lines of {log}:\n{log_tail(log)}")
 
+    @staticmethod
+    def _refresh() -> None:
+        """One sacct call for all jobs: submitit's own refresh slows down to one every several minutes."""
+        submitit.SlurmJob.watcher.update()
+
     def finished(self) -> bool:
-        submitit.SlurmJob.watcher.update()  # one sacct call for all jobs; submitit alone may wait minutes between
+        self._refresh()
         done = [self._ended_well(name) for name in ("trainer", "orchestrator")]
         if not all(done) and self._ended_well("inference"):
             raise ChildFailed(f"inference (SLURM job {self.jobs['inference'].job_id}) ended before the run did")
