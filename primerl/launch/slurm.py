@@ -51,16 +51,14 @@ class ModuleJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> None:
         global _running
-        env = child_env(threads=int(os.environ.get("SLURM_CPUS_PER_TASK", "0")) or None)
         overrides = [*self.overrides, *self._address_overrides()]
         run_dir = Path(self.run_dir) / "sft" if self.name == "sft" else Path(self.run_dir)
         log = Path(self.run_dir) / "logs" / f"{self.name}.log"
-        if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        if int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # sets RANK, WORLD_SIZE, MASTER_ADDR, ... in os.environ
             dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
             if dist.rank > 0:
                 log = log.with_name(f"{self.name}-rank{dist.rank}.log")
-            env.update({k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                    "LOCAL_WORLD_SIZE")})  # fmt: skip
+        env = child_env(threads=int(os.environ.get("SLURM_CPUS_PER_TASK", "0")) or None)
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             _running = subprocess.Popen(module_command(self.module, overrides, run_dir), stdout=out,
