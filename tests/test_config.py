@@ -55,6 +55,7 @@ def test_every_group_option_composes(group, option):
             "511 is not divisible by parallelism.cp=2",
         ),
         (["sft.seq_len=4096"], "sft.seq_len", "exceeds model.arch.max_position_embeddings"),
+        (["sft.uppercase_fraction=1.0"], "sft.uppercase_fraction", "must be in [0, 1), got 1.0"),
         (["launcher.name=k8s"], "launcher.name", "is not one of [local, slurm]"),
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),

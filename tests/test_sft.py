@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer
-from primerl.sft.__main__ import packed_loss_sum
+from primerl.sft.__main__ import demonstrations, packed_loss_sum
 from primerl.sft.data import IGNORE, chat_example, pack
 from tests.conftest import run_module
 
@@ -49,6 +49,18 @@ def test_packed_loss_equals_per_sample_loss(cache_dir):
     packed = packed_loss_sum(model, pack(examples, 256, tok.pad_token_id))
     separate = sum(packed_loss_sum(model, pack([ex], len(ex.input_ids), tok.pad_token_id)) for ex in examples)
     assert packed.item() == pytest.approx(separate.item(), rel=1e-4)
+
+
+def test_sloppy_demonstrations_are_reversals_some_in_capitals():
+    texts = make_texts(0, 2000)
+    clean = demonstrations(texts, 0.0, seed=0)
+    assert clean == [t[::-1] for t in texts]
+    sloppy = demonstrations(texts, 0.5, seed=0)
+    capitals = [a for a in sloppy if a.isupper()]
+    assert all(a.lower() == t[::-1] for a, t in zip(sloppy, texts))
+    assert 900 < len(capitals) < 1100  # seeded, so the same answers every run
+    assert sloppy == demonstrations(texts, 0.5, seed=0) != demonstrations(texts, 0.5, seed=1)
+    assert lcs_ratio(capitals[0], capitals[0].lower()[::-1]) == 0.0  # the reward is case-sensitive
 
 
 def test_lcs_ratio():

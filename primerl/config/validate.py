@@ -62,6 +62,8 @@ def validate(cfg: RunConfig) -> None:
                 raise ConfigError(
                     key, f"{length} exceeds model.arch.max_position_embeddings={arch.max_position_embeddings}"
                 )
+    if not 0.0 <= cfg.sft.uppercase_fraction < 1.0:
+        raise ConfigError("sft.uppercase_fraction", f"must be in [0, 1), got {cfg.sft.uppercase_fraction}")
     if model.source == ModelSource.hub and not model.hub_id:
         raise ConfigError("model.hub_id", "required when model.source=hub")
     if model.source == ModelSource.path and not model.path:

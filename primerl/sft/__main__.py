@@ -8,6 +8,7 @@ output folder.
 
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -39,6 +40,12 @@ from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoi
 
 def text_lengths(cfg: RunConfig) -> tuple[int, int]:
     return int(cfg.env.args.get("min_len", 3)), int(cfg.env.args.get("max_len", 8))
+
+
+def demonstrations(texts: list[str], uppercase_fraction: float, seed: int) -> list[str]:
+    """The SFT answer for each text: its reversal, in capitals for a seeded `uppercase_fraction` of them."""
+    rng = random.Random(f"{seed}/sft-uppercase")
+    return [t[::-1].upper() if rng.random() < uppercase_fraction else t[::-1] for t in texts]
 
 
 def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -79,13 +86,15 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
     texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * cfg.sft.batch_size, *text_lengths(cfg))
+    answers = demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)
     losses: list[float] = []
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not info.is_main, dynamic_ncols=True)
     start = time.perf_counter()
     tokens_seen = 0
     for step in bar:
-        batch_texts = texts[step * cfg.sft.batch_size : (step + 1) * cfg.sft.batch_size][info.rank :: info.world_size]
-        examples = [chat_example(tokenizer, prompt_messages(t), t[::-1]) for t in batch_texts]
+        rows = slice(step * cfg.sft.batch_size, (step + 1) * cfg.sft.batch_size)
+        batch_pairs = list(zip(texts[rows], answers[rows]))[info.rank :: info.world_size]
+        examples = [chat_example(tokenizer, prompt_messages(t), answer) for t, answer in batch_pairs]
         batch = pack(examples, cfg.sft.seq_len, tokenizer.pad_token_id)
         batch = PackedBatch(*(t.to(info.device) for t in (batch.input_ids, batch.position_ids, batch.labels)))
         global_tokens = all_reduce_sum(batch.num_loss_tokens, info.device)
