@@ -86,14 +86,13 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
     texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * cfg.sft.batch_size, *text_lengths(cfg))
-    answers = demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)
+    pairs = list(zip(texts, demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)))
     losses: list[float] = []
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not info.is_main, dynamic_ncols=True)
     start = time.perf_counter()
     tokens_seen = 0
     for step in bar:
-        rows = slice(step * cfg.sft.batch_size, (step + 1) * cfg.sft.batch_size)
-        batch_pairs = list(zip(texts[rows], answers[rows]))[info.rank :: info.world_size]
+        batch_pairs = pairs[step * cfg.sft.batch_size : (step + 1) * cfg.sft.batch_size][info.rank :: info.world_size]
         examples = [chat_example(tokenizer, prompt_messages(t), answer) for t, answer in batch_pairs]
         batch = pack(examples, cfg.sft.seq_len, tokenizer.pad_token_id)
         batch = PackedBatch(*(t.to(info.device) for t in (batch.input_ids, batch.position_ids, batch.labels)))
