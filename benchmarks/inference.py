@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from primerl.config.cli import check
 from primerl.envs.reverse_text import make_texts, prompt_messages
@@ -30,14 +30,15 @@ from primerl.trainer.weights import save_hf_checkpoint
 
 
 async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int) -> tuple[int, float]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+    """The baseline: plain concurrent POSTs over one aiohttp session, the cheapest client we have."""
+    async with aiohttp.ClientSession(base_url=base_url) as http:
 
         async def one(text: str) -> int:
             body = {"model": SERVED_MODEL_NAME, "messages": prompt_messages(text), "temperature": 1.0,
                     "max_tokens": max_tokens}  # fmt: skip
-            r = await client.post("/v1/chat/completions", json=body)
-            r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"]
+            async with http.post("/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                return (await r.json())["usage"]["completion_tokens"]
 
         started = time.perf_counter()
         tokens = await asyncio.gather(*(one(t) for t in texts for _ in range(group)))

@@ -12,6 +12,7 @@ from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
 from primerl.config.validate import ConfigError
 from primerl.envs.config import EnvConfig
+from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_speed import memoize_default_factory_check
 from primerl.envs.traces import final_reply
 
@@ -30,6 +31,7 @@ def env_config(cfg: EnvConfig) -> dict:
 def load_env(cfg: EnvConfig) -> vf.Env:
     """The verifiers env for `cfg`; an unknown id or bad args is a ConfigError naming the key."""
     memoize_default_factory_check()  # rollouts construct pydantic models with default factories: ~1 ms each without
+    use_aiohttp_for_openai_clients()  # httpx's pool costs more CPU than the rest of a rollout at 64 in flight
     try:
         return load_environment(resolve_env_config(env_config(cfg)))
     except ModuleNotFoundError as err:
