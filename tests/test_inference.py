@@ -36,7 +36,10 @@ def server(cache_dir, tmp_path_factory):
     (spec,) = render_specs(cfg, model, "cpu")
     with VllmServer(spec, tmp_path_factory.mktemp("vllm") / "vllm.log").start() as srv:
         srv.model_dir = model
+        tmp_dir = srv.tmp_dir
+        assert any(tmp_dir.iterdir())  # vLLM's sockets live in the server's own temp dir...
         yield srv
+    assert not tmp_dir.exists()  # ...which goes with it
 
 
 def _generate(srv, prompt_ids, max_tokens=8):
@@ -125,8 +128,9 @@ def test_unstable_weight_directory_is_refused(server, tmp_path):
 def test_start_failure_reports_the_log_tail(tmp_path):
     spec = ServerSpec(["--model", str(tmp_path / "missing-model"), "--port", str(free_port())], {"HF_HUB_OFFLINE": "1"})
     with pytest.raises(InferenceStartError, match="exited with code") as info:
-        VllmServer(spec, tmp_path / "bad.log").start(timeout_s=300)
+        (server := VllmServer(spec, tmp_path / "bad.log")).start(timeout_s=300)
     assert "last lines of" in str(info.value)
+    assert server.tmp_dir is None  # cleaned up on the failed start too
 
 
 def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():

@@ -5,9 +5,12 @@ loopback-only unless an API key is set (enforced by `validate`). Readiness means
 process dies first, `InferenceStartError` carries the tail of vLLM's log.
 """
 
+import getpass
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +115,7 @@ class VllmServer:
         self.spec = spec
         self.log_path = Path(log_path)
         self.process: subprocess.Popen | None = None
+        self.tmp_dir: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -126,13 +130,22 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
-        self.process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.spec.env}, start_new_session=True
-        )
+        # vLLM leaves its ZMQ sockets and dist-init files in the temp dir; a private one goes with the server.
+        # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it.
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="primerl-vllm-"))
+        inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        env = {
+            "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache),
+            **os.environ,
+            **self.spec.env,
+            "TMPDIR": str(self.tmp_dir),
+        }
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()  # its engine children and temp dir
                 raise InferenceStartError(
                     f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
                     f"{self.log_path}:\n{self.log_tail()}"
@@ -155,6 +168,9 @@ class VllmServer:
         """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""
         if self.process is not None:
             stop_process_groups([self.process], grace_s)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def __enter__(self) -> "VllmServer":
         return self
