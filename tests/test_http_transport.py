@@ -91,8 +91,9 @@ def test_failures_are_classified_as_over_httpx():
 
     async def test(base_url, http):
         client = sdk(base_url, http)
-        with pytest.raises(openai.APITimeoutError):
+        with pytest.raises(openai.APITimeoutError) as timed_out:
             await client.post("/slow", cast_to=object, body={}, options={"timeout": 0.3})
+        assert isinstance(timed_out.value.__cause__, httpx.ReadTimeout)  # connected; the answer was late
         with pytest.raises(openai.APIConnectionError) as hung_up:
             await client.post("/hang_up", cast_to=object, body={})
         assert not isinstance(hung_up.value, openai.APITimeoutError) and rule in str(hung_up.value)

@@ -16,7 +16,6 @@ verifiers builds the SDK's HTTP client in `clients.base.build_async_httpx` (trai
 where it goes in, with verifiers' own timeouts and connection limits.
 """
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
@@ -26,12 +25,12 @@ import verifiers.v1.clients.base as verifiers_clients
 
 
 @contextmanager
-def httpx_errors(request: httpx.Request, *, connecting: bool) -> Iterator[None]:
+def httpx_errors(request: httpx.Request) -> Iterator[None]:
     """Re-raise aiohttp/socket failures as the httpx exceptions the OpenAI SDK classifies."""
     try:
         yield
     except TimeoutError as err:  # aiohttp's timeout errors subclass it
-        kind = httpx.ConnectTimeout if connecting else httpx.ReadTimeout
+        kind = httpx.ConnectTimeout if isinstance(err, aiohttp.ConnectionTimeoutError) else httpx.ReadTimeout
         raise kind(str(err) or type(err).__name__, request=request) from err
     except aiohttp.ClientConnectorError as err:
         raise httpx.ConnectError(str(err), request=request) from err
@@ -44,7 +43,7 @@ class AiohttpResponseStream(httpx.AsyncByteStream):
         self.response, self.request = response, request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with httpx_errors(self.request, connecting=False):
+        with httpx_errors(self.request):
             async for chunk in self.response.content.iter_any():
                 yield chunk
 
@@ -78,7 +77,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         timeout = request.extensions.get("timeout", {})
         body = await request.aread()
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "transfer-encoding"]
-        with httpx_errors(request, connecting=True):
+        with httpx_errors(request):
             response = await self._session().request(
                 request.method,
                 str(request.url),
@@ -103,7 +102,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self.session is not None:
             await self.session.close()
-            await asyncio.sleep(0)  # let aiohttp finish closing its transports before the loop goes
 
 
 def build_aiohttp_client(config) -> httpx.AsyncClient:
