@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from primerl.metrics import read_metrics
-from primerl.trainer.dist import free_port
+from primerl.utils.process import free_port
 
 
 def run_level(level: int, steps: int, overrides: list[str], root: Path) -> dict[str, float]:

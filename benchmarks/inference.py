@@ -24,9 +24,9 @@ from primerl.config.cli import check
 from primerl.envs.reverse_text import make_texts, prompt_messages
 from primerl.inference.server import SERVED_MODEL_NAME, VllmServer, load_weights, render_specs
 from primerl.model.resolve import base_model_path
-from primerl.sft.checkpoint import initial_model_path
-from primerl.trainer.dist import free_port
+from primerl.model.start import initial_model_path
 from primerl.trainer.weights import save_hf_checkpoint
+from primerl.utils.process import free_port
 
 
 async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int) -> tuple[int, float]:

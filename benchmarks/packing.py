@@ -22,7 +22,7 @@ from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.data import chat_example
 from primerl.trainer.config import LossConfig
 from primerl.trainer.loss import policy_loss
-from primerl.trainer.packing import pack_sequences
+from primerl.transport.packing import pack_sequences
 
 PAD = {"input_ids": 0, "loss_mask": False, "inference_logprobs": 0.0, "advantages": 0.0}
 

@@ -22,7 +22,7 @@ from primerl.metrics import read_metrics
 from primerl.model.tiny import build_tokenizer
 from primerl.orchestrator.batch import build_batch
 from primerl.sft.data import chat_example
-from primerl.transport import Sample, write_rollout_batch
+from primerl.transport.batches import Sample, write_rollout_batch
 
 LAYOUTS = [("tiny", "fsdp2", 1), ("tiny", "fsdp2", 2), ("tiny", "fsdp2_cp", 2), ("tiny_moe", "fsdp2", 1),
            ("tiny_moe", "fsdp2_ep", 2)]  # fmt: skip

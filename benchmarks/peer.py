@@ -21,9 +21,9 @@ from pathlib import Path
 from primerl.config.cli import check
 from primerl.envs.reverse_text import make_texts, stream_seed
 from primerl.evaluate import rewards, summary
-from primerl.sft.checkpoint import initial_model_path
-from primerl.trainer.dist import free_port
-from primerl.transport import weights_path
+from primerl.model.start import initial_model_path
+from primerl.transport.run_dir import weights_path
+from primerl.utils.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VENV = ROOT / "benchmarks" / ".venv-trl"

@@ -1,13 +1,47 @@
-"""Append-only JSONL metrics, one line per step, written by each process and read by the launcher and ledger."""
+"""Append-only JSONL metrics, one line per step, written by each process and read by the launcher and ledger; and the
+names of the metrics that other processes read, defined once (the ledger logs every key, prefixed by its process).
+"""
 
 import json
 import math
 import time
 from pathlib import Path
 
+from primerl.transport.run_dir import metrics_path
 
-def metrics_path(run_dir: str | Path, process: str) -> Path:
-    return Path(run_dir) / "metrics" / f"{process}.jsonl"
+ORCHESTRATOR, TRAINER = "orchestrator", "trainer"  # the processes that write metrics/<process>.jsonl
+
+
+class OrchestratorMetric:
+    """Keys of a row of metrics/orchestrator.jsonl: one row per batch cut (step)."""
+
+    REWARD_MEAN = "reward/mean"  # over the batch's samples; reward/<fn> per reward function when there are several
+    ROLLOUTS_OK = "rollouts/ok"  # rollouts finished with a usable trace since the previous cut
+    ROLLOUTS_FAILED = "rollouts/failed"  # ... failed (env error, timeout, non-finite reward, dead server)
+    ROLLOUTS_CANCELLED = "rollouts/cancelled"  # ... in groups cancelled as too stale (or at shutdown)
+    OFF_POLICY_MEAN = "off_policy/mean"  # lag of the batch's samples: step - oldest policy version, in versions
+    OFF_POLICY_MAX = "off_policy/max"
+    OFF_POLICY_DROPPED = "off_policy/dropped"  # samples dropped at the cut as too stale
+    VERSION_SPAN_MAX = "off_policy/span_max"  # most policy versions one sample's rollout spanned (last - first)
+    POLICY_VERSION = "policy_version"  # served when the batch was cut
+    INFLIGHT = "inflight/rollouts"  # in flight when the batch was cut
+    BUFFERED = "queue/buffered_samples"  # left over for the next batches after the cut
+    INFERENCE_IDLE = "inference/idle_fraction"  # of the wall time since the previous cut with no running request
+    LOOP_LAG_MAX = "loop/lag_max_s"  # event-loop lag: how late a 50 ms timer fired
+    LOOP_LAG_MEAN = "loop/lag_mean_s"
+    BATCH_S = "time/generate_s"  # wall time since the previous cut
+    WAIT_POLICY_S = "time/wait_policy_s"  # of which the cut waited for a newer policy (async_level)
+    WEIGHT_LOAD_S = "time/weight_load_s"  # of which the inference server was paused for weight loads
+    TOKENS_PER_S = "throughput/completion_tokens_per_s"  # the batch's sampled tokens / BATCH_S
+    SEQ_LEN_MEAN = "seq_len/mean"
+
+
+class TrainerMetric:
+    """Keys of a row of metrics/trainer.jsonl: one row per trained step."""
+
+    LOSS = "loss"
+    MISMATCH_KL = "mismatch_kl"
+    STEP_S = "time/step_s"
 
 
 def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:

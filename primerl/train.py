@@ -15,6 +15,9 @@ from omegaconf import DictConfig
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.launch.process import ChildFailed
 from primerl.launch.supervise import run_topology
+from primerl.utils.log import get_logger
+
+log = get_logger("train")
 
 
 @hydra_app()
@@ -37,15 +40,15 @@ def main(dict_cfg: DictConfig) -> None:
             ledger = Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve(),
                                  sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
                                  job_num=hydra_cfg.job.num if multirun else None)  # fmt: skip
-            print(f"train: ledger run {ledger.run_id} in {ledger.client.tracking_uri}", flush=True)
+            log.info(f"ledger run {ledger.run_id} in {ledger.client.tracking_uri}")
         run_topology(cfg, overrides, make_launcher(cfg), ledger)
         status = "FINISHED"
     except ChildFailed as err:
-        print(f"train: {err}", file=sys.stderr)
+        log.error(str(err))
         sys.exit(1)
     except KeyboardInterrupt:
         status = "KILLED"
-        print("train: interrupted; all processes stopped", file=sys.stderr)
+        log.error("interrupted; all processes stopped")
         sys.exit(130)
     finally:
         if ledger is not None:

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from primerl.trainer.checkpoint import CorruptCheckpoint, checkpoint_path, latest_checkpoint, verify_checkpoint
-from primerl.trainer.weights import STABLE_MARKER
+from primerl.trainer.checkpoint import CorruptCheckpoint, latest_checkpoint, verify_checkpoint
+from primerl.transport.atomic import STABLE_MARKER
+from primerl.transport.run_dir import checkpoint_path
 from tests.conftest import run_module
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from primerl.config.cli import CONF_DIR, check, format_config_error
-from primerl.config.validate import ConfigError, resolve_dp_shard
+from primerl.config.errors import ConfigError
+from primerl.config.validate import resolve_dp_shard
 from tests.conftest import run_module
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

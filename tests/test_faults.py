@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from primerl.metrics import read_metrics
-from primerl.trainer.dist import free_port
-from primerl.transport import rollout_path
+from primerl.transport.run_dir import rollout_path
+from primerl.utils.process import free_port
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

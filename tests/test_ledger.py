@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from primerl.config.cli import check, compose
 from primerl.ledger.mlflow_ledger import Ledger, MetricsFollower, flatten
 from primerl.metrics import append_metrics
-from primerl.trainer.dist import free_port
+from primerl.utils.process import free_port
 from tests.conftest import run_module, sweep_children
 
 

@@ -14,7 +14,8 @@ from primerl.model.tiny import build_tokenizer
 from primerl.orchestrator.batch import build_batch
 from primerl.sft.data import chat_example
 from primerl.trainer.loss import token_logprobs
-from primerl.transport import Sample, weights_path, write_rollout_batch
+from primerl.transport.batches import Sample, write_rollout_batch
+from primerl.transport.run_dir import weights_path
 from tests.conftest import run_module
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Advantages, RL batch packing, the loss against a hand computation, the staleness bound, the batch wire format."""
+"""Advantages, RL batch packing, the loss against a hand computation, the batch wire format."""
 
 import math
 
@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from primerl.orchestrator.advantages import group_advantages
-from primerl.orchestrator.batch import build_batch, drop_stale, required_policy_version
+from primerl.orchestrator.batch import build_batch
 from primerl.trainer.config import LossConfig
 from primerl.trainer.loss import policy_loss
-from primerl.transport import RolloutBatch, Sample, read_rollout_batch, rollout_path, write_rollout_batch
+from primerl.transport.batches import RolloutBatch, Sample, read_rollout_batch, write_rollout_batch
+from primerl.transport.run_dir import rollout_path
 
 
 def _sample(n_prompt: int, n_completion: int, adv: float, version: int = 0, start: int = 1) -> Sample:
@@ -43,17 +44,6 @@ def test_build_batch_packing_invariants():
     assert int((pos == 0).sum()) >= 7  # each sequence restarts its positions
     with pytest.raises(ValueError, match="no samples"):
         build_batch([], step=0, seq_len=20, micro_batch_size=2, pad_id=0)
-
-
-def test_staleness_bound_is_enforced():
-    assert required_policy_version(5, 0) == 5
-    assert required_policy_version(5, 2) == 3
-    assert required_policy_version(1, 3) == 0
-    samples = [_sample(2, 2, 0.1, version=v) for v in (0, 1, 2, 3, 4)]
-    kept, dropped = drop_stale(samples, step=4, async_level=1)
-    assert [s.policy_version for s in kept] == [3, 4] and dropped == 3
-    kept, dropped = drop_stale(samples, step=4, async_level=0)
-    assert [s.policy_version for s in kept] == [4] and dropped == 4
 
 
 def test_loss_matches_hand_computation():

@@ -21,8 +21,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig, register_schema
-from primerl.config.validate import ConfigError, validate
+from primerl.config.validate import validate
+from primerl.utils.log import configure_logging
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 EXIT_CONFIG_ERROR = 2
@@ -152,6 +154,7 @@ def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], o
     def wrap(task: Callable[[DictConfig], object]) -> Callable[[], object]:
         @functools.wraps(task)  # Hydra unwraps __wrapped__ to name the job after `task`
         def checked(cfg: DictConfig) -> object:
+            configure_logging()
             try:
                 return task(cfg)
             except ConfigError as err:  # found at run time (world size, devices, env loading): same one line

@@ -3,17 +3,9 @@
 import ipaddress
 from pathlib import Path
 
+from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.model.config import ModelSource
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; `key` is the dotted path a user would override."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
 
 
 def _is_loopback(host: str) -> bool:
@@ -37,6 +29,18 @@ def validate(cfg: RunConfig) -> None:
         )
     if orch.async_level < 0:
         raise ConfigError("orchestrator.async_level", f"must be >= 0 (0 = synchronous), got {orch.async_level}")
+    if orch.max_off_policy_steps is not None and orch.max_off_policy_steps < orch.async_level:
+        raise ConfigError("orchestrator.max_off_policy_steps", f"{orch.max_off_policy_steps} is below "
+                          f"orchestrator.async_level={orch.async_level}: batches allowed to run ahead would be dropped")  # fmt: skip
+    if orch.max_inflight < orch.group_size:
+        raise ConfigError("orchestrator.max_inflight", f"{orch.max_inflight} cannot hold one group of "
+                          f"orchestrator.group_size={orch.group_size}")  # fmt: skip
+    if orch.drain_per_step and orch.max_inflight < orch.batch_size:
+        raise ConfigError("orchestrator.max_inflight", f"{orch.max_inflight} cannot hold one batch of "
+                          f"orchestrator.batch_size={orch.batch_size}, which drain_per_step starts at once")  # fmt: skip
+    for key in ("rollout_timeout_s", "weight_poll_s", "temperature"):
+        if not getattr(orch, key) > 0:
+            raise ConfigError(f"orchestrator.{key}", f"must be > 0, got {getattr(orch, key)}")
     if orch.max_tokens >= inf.max_model_len:
         raise ConfigError(
             "orchestrator.max_tokens",

@@ -11,3 +11,16 @@ def final_reply(trace: vf.Trace) -> str:
         if message.role == "assistant":
             return message.content if isinstance(message.content, str) else str(message.content or "")
     return ""
+
+
+def prompt_text(trace: vf.Trace) -> str:
+    """The messages before the first assistant message of the trace's first branch, one `role: text` line each."""
+    if not trace.branches:
+        return ""
+    lines = []
+    for message in trace.branches[0].messages:
+        if message.role == "assistant":
+            break
+        content = message.content if isinstance(message.content, str) else str(message.content or "")
+        lines.append(f"{message.role}: {content}")
+    return "\n".join(lines)

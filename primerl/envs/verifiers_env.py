@@ -5,16 +5,16 @@ timed out, or scored a non-finite reward becomes a counted `RolloutFailure`, nev
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import verifiers.v1 as vf
 from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
-from primerl.config.validate import ConfigError
+from primerl.config.errors import ConfigError
 from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_speed import memoize_default_factory_check
-from primerl.envs.traces import final_reply
+from primerl.envs.traces import final_reply, prompt_text
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
 # Every other error ends the rollout, which is counted as failed.
@@ -53,9 +53,11 @@ class Rollout:
     """One finished, scored rollout (one trace) with its trainable branches."""
 
     reward: float
-    rewards: dict[str, float]
+    rewards: dict[str, float]  # each reward function's score
     branches: list[ScoredBranch]
-    completion: str
+    completion: str  # the last assistant message
+    prompt: str = ""  # the messages before the first assistant message
+    metrics: dict[str, float] = field(default_factory=dict)  # the env's @vf.metric values
 
 
 @dataclass
@@ -92,5 +94,18 @@ def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:
             out.append(RolloutFailure("no trainable tokens (token ids, mask and logprobs missing or misaligned)"))
             continue
         scores = {name: r.score for name, r in trace.rewards.items() if r is not None}
-        out.append(Rollout(float(reward), scores, branches, final_reply(trace)))
+        metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None and math.isfinite(v)}
+        out.append(Rollout(float(reward), scores, branches, final_reply(trace), prompt_text(trace), metrics))
     return out
+
+
+class EnvRunner:
+    """One rollout of a verifiers env through `ctx` (its train client records token ids, mask and logprobs):
+    the orchestrator's `RolloutRunner`. Errors come back as `RolloutFailure`s."""
+
+    def __init__(self, env: vf.Env, ctx: vf.ModelContext):
+        self.env, self.ctx = env, ctx
+
+    async def run(self, task: vf.Task) -> list[Rollout | RolloutFailure]:
+        (slot,) = self.env.slots(task, 1)
+        return episode_rollouts(await self.env.run_slot(slot, self.ctx))

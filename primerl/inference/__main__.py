@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.errors import ConfigError
 from primerl.inference.server import (
     InferenceStartError,
     VllmServer,
@@ -19,7 +20,11 @@ from primerl.inference.server import (
     render_specs,
     resolve_device,
 )
-from primerl.sft.checkpoint import initial_model_path
+from primerl.model.start import initial_model_path
+from primerl.transport.run_dir import log_path
+from primerl.utils.log import get_logger
+
+log = get_logger("inference")
 
 
 @hydra_app()
@@ -29,23 +34,23 @@ def main(dict_cfg: DictConfig) -> None:
     check_supported(cfg.inference, device)
     model_path = initial_model_path(cfg)
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
-        print(f"primerl: model {model_path} does not exist; run `python -m primerl.sft` first", file=sys.stderr)
-        sys.exit(2)
+        raise ConfigError("sft.enabled", f"the SFT checkpoint {model_path} does not exist yet; run "
+                          "`python -m primerl.sft` with the same config first, or set sft.enabled=false")  # fmt: skip
     servers = [
-        VllmServer(spec, Path(cfg.output_dir) / "logs" / f"vllm-{spec.port}.log")
+        VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"))
         for spec in render_specs(cfg, model_path, device)
     ]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for server in servers:
             server.start(cfg.inference.startup_timeout_s)
-            print(f"inference: serving {model_path} at {server.base_url}", flush=True)
+            log.info(f"serving {model_path} at {server.base_url}")
         while all(s.process.poll() is None for s in servers):
             time.sleep(1.0)
-        print("inference: a vLLM server exited", file=sys.stderr)
+        log.error("a vLLM server exited")
         sys.exit(1)
     except InferenceStartError as err:
-        print(f"inference: {err}", file=sys.stderr)
+        log.error(str(err))
         sys.exit(1)
     finally:
         for server in servers:

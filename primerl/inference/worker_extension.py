@@ -1,20 +1,32 @@
 """Methods added to every vLLM worker (`--worker-extension-cls`) for in-place weight loads.
 
-Called through vLLM's `/collective_rpc` (dev mode). Only string arguments cross the wire; weights are read from
-a published directory with safetensors (never a pickle), and only a directory marked stable is loaded.
+Called through vLLM's `/collective_rpc` (dev mode; primerl.inference.guard lets only `primerl_*` methods through).
+Only string arguments cross the wire. Weights are read with safetensors (never a pickle), only from a directory marked
+STABLE, and only from below the run's own weights directory (`WEIGHTS_DIR_ENV`, set by the server's launcher): a
+path anywhere else is refused and logged, so whoever can reach the route cannot load weights of their choosing.
 """
 
+import logging
+import os
 from pathlib import Path
 
 from safetensors import safe_open
 
-STABLE_MARKER = "STABLE"  # same marker as primerl.trainer.weights; not imported to keep workers torch-light
+from primerl.transport.atomic import STABLE_MARKER
+from primerl.transport.weights import WEIGHTS_DIR_ENV, inside
+
+log = logging.getLogger(__name__)
 
 
 class PrimerlWorkerExtension:
     primerl_policy_version: int = 0
 
     def primerl_load_weights(self, path: str, version: str) -> str:
+        root = os.environ.get(WEIGHTS_DIR_ENV)
+        if not root or not inside(path, root):
+            log.warning("primerl: refused to load weights from %s: not inside the run's weights directory %s",
+                        path, root)  # fmt: skip
+            raise PermissionError(f"refused: {path} is not inside the run's weights directory ({root})")
         folder = Path(path)
         if not (folder / STABLE_MARKER).exists():
             raise ValueError(f"{folder} is not a stable weight directory (no {STABLE_MARKER} marker)")

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
-from primerl.launch.process import ChildFailed, child_env, log_tail, module_command, stop_process_groups
+from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
+from primerl.transport.run_dir import log_path, sft_run_dir
+from primerl.utils.process import free_port, stop_process_groups
 
 GRACE_S = 20.0
 
@@ -31,14 +33,14 @@ class LocalLauncher:
 
     def run_sft(self, overrides: list[str]) -> None:
         """In the foreground, so that its progress bar shows."""
-        cmd = module_command("primerl.sft", overrides, self.run_dir / "sft", self.cfg.launcher.trainer_tasks_per_node)
+        cmd = module_command(
+            "primerl.sft", overrides, sft_run_dir(self.run_dir), self.cfg.launcher.trainer_tasks_per_node
+        )
         if subprocess.run(cmd, env=child_env()).returncode != 0:
             raise ChildFailed("SFT warm-start failed (its output is above)")
 
     def start(self, overrides: list[str]) -> None:
         if self.cfg.inference.port == 0:  # a free port, the same for the server and the orchestrator
-            from primerl.trainer.dist import free_port
-
             overrides = [*overrides, f"inference.port={free_port()}"]
         cpu = self.cfg.inference.device == "cpu" or (self.cfg.inference.device == "auto" and not _has_cuda())
         nproc = self.cfg.launcher.trainer_tasks_per_node
@@ -50,7 +52,7 @@ class LocalLauncher:
                     child_env(threads=max(1, (os.cpu_count() or 2) - 1) if cpu else None))  # fmt: skip
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        log = self.run_dir / "logs" / f"{name}.log"
+        log = log_path(self.run_dir, name)
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

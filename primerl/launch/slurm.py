@@ -26,8 +26,13 @@ import submitit
 
 from primerl.config.schema import RunConfig
 from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
+from primerl.transport.atomic import atomic_file
+from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
+from primerl.utils.log import get_logger
+from primerl.utils.process import free_port
 
-ADDRESS_FILE = "inference_address.json"
+log = get_logger("train")
+
 # States a job can be in while it still may finish well (a requeued job passes through PENDING/REQUEUED again).
 LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                "RESIZING", "SUSPENDED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "UNKNOWN"}  # fmt: skip
@@ -52,8 +57,8 @@ class ModuleJob(submitit.helpers.Checkpointable):
     def __call__(self) -> None:
         global _running
         overrides = [*self.overrides, *self._address_overrides()]
-        run_dir = Path(self.run_dir) / "sft" if self.name == "sft" else Path(self.run_dir)
-        log = Path(self.run_dir) / "logs" / f"{self.name}.log"
+        run_dir = sft_run_dir(self.run_dir) if self.name == "sft" else Path(self.run_dir)
+        log = log_path(self.run_dir, self.name)
         if int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # sets RANK, WORLD_SIZE, MASTER_ADDR, ... in os.environ
             dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
             if dist.rank > 0:
@@ -70,13 +75,12 @@ class ModuleJob(submitit.helpers.Checkpointable):
             raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
 
     def _address_overrides(self) -> list[str]:
-        address = Path(self.run_dir) / ADDRESS_FILE
+        address = inference_address_path(self.run_dir)
         if self.name == "inference":
-            port = self.inference_port or _free_port()
+            port = self.inference_port or free_port()
             host = socket.getfqdn() if self.inference_host in WILDCARD_HOSTS else self.inference_host
-            tmp = address.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
-            tmp.replace(address)
+            with atomic_file(address) as tmp:
+                tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
             return [f"inference.port={port}"]
         if self.name == "orchestrator":
             found = _wait_for_address(address, self.inference_job_id, self.wait_s)
@@ -96,12 +100,6 @@ class ModuleJob(submitit.helpers.Checkpointable):
 
 def _job_id() -> str:
     return os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID", ""))
-
-
-def _free_port() -> int:
-    from primerl.trainer.dist import free_port
-
-    return free_port()
 
 
 def _wait_for_address(path: Path, job_id: str | None, wait_s: float) -> dict:
@@ -138,7 +136,7 @@ class SlurmLauncher:
         )  # fmt: skip
         job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
         self.jobs[name] = job
-        print(f"train: {name} is SLURM job {job.job_id}", flush=True)
+        log.info(f"{name} is SLURM job {job.job_id}")
         return job
 
     def _trainer_placement(self) -> dict:
@@ -154,7 +152,7 @@ class SlurmLauncher:
             time.sleep(self.poll_s)
 
     def start(self, overrides: list[str]) -> None:
-        (self.run_dir / ADDRESS_FILE).unlink(missing_ok=True)  # an earlier attempt's server is gone
+        inference_address_path(self.run_dir).unlink(missing_ok=True)  # an earlier attempt's server is gone
         inf = self.cfg.inference
         inference = self._submit("inference", "primerl.inference", overrides, gpus=self.cfg.launcher.inference_gpus,
                                  inference_host=inf.host, inference_port=inf.port)  # fmt: skip
@@ -170,7 +168,7 @@ class SlurmLauncher:
             return True
         if state in LIVE_STATES:
             return False
-        log = self.run_dir / "logs" / f"{name}.log"
+        log = log_path(self.run_dir, name)
         raise ChildFailed(f"{name} (SLURM job {job.job_id}) ended {job.state}; last lines of {log}:\n{log_tail(log)}")
 
     @staticmethod
@@ -189,4 +187,4 @@ class SlurmLauncher:
         for name, job in self.jobs.items():
             if job.state.split(" ")[0] in LIVE_STATES:
                 job.cancel(check=False)
-                print(f"train: cancelled {name} (SLURM job {job.job_id})", flush=True)
+                log.info(f"cancelled {name} (SLURM job {job.job_id})")

@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from primerl.config.schema import RunConfig
 from primerl.metrics import read_metrics
+from primerl.transport.run_dir import sft_metrics_path, sft_run_dir
+from primerl.utils.log import get_logger
+
+log = get_logger("train")
 
 if TYPE_CHECKING:
     from primerl.ledger.mlflow_ledger import Ledger
@@ -34,16 +38,16 @@ class Launcher(Protocol):
 
 
 def sft_needed(cfg: RunConfig) -> bool:
-    from primerl.sft.checkpoint import sft_checkpoint_dir
-    from primerl.trainer.weights import is_stable
+    from primerl.model.start import sft_checkpoint_dir
+    from primerl.transport.atomic import is_stable
 
     if not cfg.sft.enabled:
         return False
     target = sft_checkpoint_dir(cfg)
     if is_stable(target):
-        print(f"train: SFT warm-start found at {target}", flush=True)
+        log.info(f"SFT warm-start found at {target}")
         return False
-    print(f"train: SFT warm-start ({cfg.sft.steps} steps) -> {target}", flush=True)
+    log.info(f"SFT warm-start ({cfg.sft.steps} steps) -> {target}")
     return True
 
 
@@ -61,9 +65,9 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
             # the train run's ledger records the SFT results; the SFT process keeps none of its own
             launcher.run_sft([*overrides, "ledger.enabled=false"])
         if ledger:
-            record_sft(ledger, run_dir / "sft" / "sft_metrics.json")
+            record_sft(ledger, sft_metrics_path(sft_run_dir(run_dir)))
         launcher.start(overrides)
-        print(f"train: run directory {run_dir} (logs in {run_dir / 'logs'})", flush=True)
+        log.info(f"run directory {run_dir} (logs in {run_dir / 'logs'})")
         shown = 0
         while not launcher.finished():
             shown = _print_progress(run_dir, cfg, shown)
@@ -71,7 +75,7 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
                 follower.poll()
             time.sleep(launcher.poll_s)
         _print_progress(run_dir, cfg, shown)
-        print(f"train: done; {cfg.trainer.max_steps} steps in {run_dir}", flush=True)
+        log.info(f"done; {cfg.trainer.max_steps} steps in {run_dir}")
     finally:
         launcher.stop_all()
         for sig, handler in previous.items():
@@ -87,7 +91,7 @@ def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
     for row in trainer_rows[shown:]:
         o = orch.get(row["step"], {})
         reward = o.get("reward/mean")
-        print(f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {reward if reward is None else f'{reward:.3f}'}"
+        log.info(f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {reward if reward is None else f'{reward:.3f}'}"
               f"  loss {row['loss']:+.4f}  mismatch_kl {row['mismatch_kl']:.1e}  "
-              f"gen {o.get('time/generate_s', 0):.1f}s  train {row['time/step_s']:.1f}s", flush=True)  # fmt: skip
+              f"gen {o.get('time/generate_s', 0):.1f}s  train {row['time/step_s']:.1f}s")  # fmt: skip
     return len(trainer_rows)

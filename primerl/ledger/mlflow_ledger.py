@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from primerl.config.schema import RunConfig
 from primerl.ledger.system_info import system_tags
+from primerl.transport.run_dir import ledger_record_path
 
-LEDGER_FILE = "ledger.json"
 PARENT_FILE = "ledger_parent.json"
 MAX_PARAM_CHARS = 6000
 
@@ -83,7 +83,7 @@ class Ledger:
         with _locked(store_dir / "mlflow.db") if store_dir else nullcontext():
             client = MlflowClient(tracking_uri(cfg))
             experiment = _experiment_id(client, cfg.ledger.experiment_name, store_dir)
-        record = run_dir / LEDGER_FILE
+        record = ledger_record_path(run_dir)
         if record.exists():
             run_id = json.loads(record.read_text())["run_id"]
             client.update_run(run_id, status="RUNNING")
@@ -152,7 +152,7 @@ class MetricsFollower:
         self.offsets = {p: int(saved.get(p, 0)) for p in processes}
 
     def poll(self) -> None:
-        from primerl.metrics import metrics_path
+        from primerl.transport.run_dir import metrics_path
 
         for process, offset in self.offsets.items():
             path = metrics_path(self.ledger.run_dir, process)

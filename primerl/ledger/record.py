@@ -7,7 +7,8 @@ from primerl.config.schema import RunConfig
 from primerl.ledger.mlflow_ledger import Ledger
 from primerl.metrics import read_metrics
 from primerl.plot import plot_curves
-from primerl.transport import latest_stable_version, weights_path
+from primerl.transport.run_dir import samples_path, weights_path
+from primerl.transport.weights import latest_stable_version
 
 
 def record_sft(ledger: Ledger, metrics_file: Path) -> None:
@@ -36,7 +37,7 @@ def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
     plot = reward_plot(run_dir, f"{cfg.name}: mean reward per step")
     if plot is not None:
         ledger.log_artifact(plot)
-    samples_file = run_dir / "rollouts" / "samples.jsonl"
+    samples_file = samples_path(run_dir)
     if samples_file.exists():
         by_step: dict[int, list[dict]] = {}
         for line in samples_file.read_text().splitlines():

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
+from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
-from primerl.config.validate import ConfigError
 from primerl.model.config import ModelSource
 from primerl.model.tiny import build_tiny_model
 

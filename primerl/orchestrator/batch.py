@@ -1,19 +1,7 @@
-"""Turn scored rollouts into a trainer batch: enforce the staleness bound, pack, split into micro-batches."""
+"""Turn a cut of samples into the trainer's batch: pack into rows, split into micro-batches."""
 
-from primerl.trainer.packing import pack_sequences
-from primerl.transport import RolloutBatch, Sample
-
-
-def required_policy_version(step: int, async_level: int) -> int:
-    """The oldest policy that may produce samples for trainer step `step` (async_level=0: exactly `step`)."""
-    return max(0, step - async_level)
-
-
-def drop_stale(samples: list[Sample], step: int, async_level: int) -> tuple[list[Sample], int]:
-    """Keep samples whose policy lags step `step` by at most `async_level` versions; returns (kept, dropped)."""
-    oldest = required_policy_version(step, async_level)
-    kept = [s for s in samples if s.policy_version >= oldest]
-    return kept, len(samples) - len(kept)
+from primerl.transport.batches import RolloutBatch, Sample
+from primerl.transport.packing import pack_sequences
 
 
 def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size: int, pad_id: int,

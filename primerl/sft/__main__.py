@@ -20,11 +20,12 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
-from primerl.config.validate import ConfigError, resolve_dp_shard
+from primerl.config.validate import resolve_dp_shard
 from primerl.envs.reverse_text import make_texts, prompt_messages, stream_seed
 from primerl.model.resolve import base_model_path
-from primerl.sft.checkpoint import sft_checkpoint_dir
+from primerl.model.start import sft_checkpoint_dir
 from primerl.sft.data import IGNORE, PackedBatch, chat_example, pack
 from primerl.trainer.dist import (
     DistInfo,
@@ -35,7 +36,12 @@ from primerl.trainer.dist import (
     main_rank_first,
     shard_model,
 )
-from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoint
+from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
+from primerl.transport.atomic import is_stable
+from primerl.transport.run_dir import sft_metrics_path
+from primerl.utils.log import get_logger
+
+log = get_logger("sft")
 
 
 def text_lengths(cfg: RunConfig) -> tuple[int, int]:
@@ -129,7 +135,7 @@ def main(dict_cfg: DictConfig) -> None:
         out_dir = sft_checkpoint_dir(cfg)
         if is_stable(out_dir):
             if info.is_main:
-                print(f"sft: reusing warm-start checkpoint {out_dir}")
+                log.info(f"reusing warm-start checkpoint {out_dir}")
             return
         started = time.perf_counter()
         losses = train_sft(cfg, info, out_dir)
@@ -151,7 +157,7 @@ def main(dict_cfg: DictConfig) -> None:
                 "checkpoint": str(out_dir),
             }
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            metrics_file = Path(cfg.output_dir) / "sft_metrics.json"
+            metrics_file = sft_metrics_path(cfg.output_dir)
             metrics_file.write_text(json.dumps(metrics, indent=2))
             if cfg.ledger.enabled:
                 from primerl.ledger.mlflow_ledger import Ledger
@@ -161,7 +167,7 @@ def main(dict_cfg: DictConfig) -> None:
                 record_sft(ledger, metrics_file)
                 ledger.log_artifact(Path(cfg.output_dir) / ".hydra" / "config.yaml", "config")
                 ledger.finish()
-            print(f"sft: held-out reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f} "
+            log.info(f"held-out reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f} "
                   f"in {wall_s:.0f}s; checkpoint {out_dir}")  # fmt: skip
     finally:
         close_distributed()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from primerl.trainer.packing import pack_sequences
+from primerl.transport.packing import pack_sequences
 
 IGNORE = -100
 

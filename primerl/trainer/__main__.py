@@ -25,10 +25,9 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.metrics import append_metrics, read_metrics
-from primerl.sft.checkpoint import initial_model_path
+from primerl.model.start import initial_model_path
 from primerl.trainer.checkpoint import (
     CorruptCheckpoint,
-    checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -45,8 +44,13 @@ from primerl.trainer.dist import (
 )
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.loss import policy_loss
-from primerl.trainer.weights import full_state_dict, is_stable, save_hf_checkpoint
-from primerl.transport import read_rollout_batch, rollout_path, weights_path
+from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
+from primerl.transport.atomic import is_stable
+from primerl.transport.batches import read_rollout_batch
+from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
+from primerl.utils.log import get_logger
+
+log = get_logger("trainer")
 
 KEEP_WEIGHT_VERSIONS = 3  # the orchestrator may still be loading the previous one
 
@@ -56,7 +60,7 @@ def wait_for_batch(run_dir: Path, step: int, poll_s: float = 0.2) -> tuple[Path,
     while not path.exists():
         time.sleep(poll_s)
         if time.monotonic() - last_note > 60:
-            print(f"trainer: still waiting for batch {step} ({path})", flush=True)
+            log.info(f"still waiting for batch {step} ({path})")
             last_note = time.monotonic()
     return path, time.perf_counter() - started
 
@@ -107,7 +111,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             publish(model, base, run_dir, start, info)
     if info.is_main:
         source = checkpoint_path(run_dir, start) if start else base
-        print(f"trainer: starting at step {start} from {source} on {info.world_size} rank(s)", flush=True)
+        log.info(f"starting at step {start} from {source} on {info.world_size} rank(s)")
     for step in range(start, cfg.trainer.max_steps):
         path, waited = wait_for_batch(run_dir, step)
         t0 = time.perf_counter()
@@ -155,8 +159,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         if info.is_main:
             if step not in logged:
                 append_metrics(run_dir, "trainer", step, metrics)
-            print(f"trainer: step {step}: loss {metrics['loss']:+.4f} mismatch_kl {metrics['mismatch_kl']:.2e} "
-                  f"grad_norm {metrics['grad_norm']:.3f} ({step_s:.1f}s, waited {waited:.1f}s)", flush=True)  # fmt: skip
+            log.info(f"step {step}: loss {metrics['loss']:+.4f} mismatch_kl {metrics['mismatch_kl']:.2e} "
+                  f"grad_norm {metrics['grad_norm']:.3f} ({step_s:.1f}s, waited {waited:.1f}s)")  # fmt: skip
 
 
 @hydra_app()
@@ -166,7 +170,7 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         train(cfg, info)
     except CorruptCheckpoint as err:
-        print(f"trainer: {err}", file=sys.stderr, flush=True)
+        log.error(str(err))
         sys.exit(1)
     finally:
         close_distributed()

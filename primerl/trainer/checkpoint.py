@@ -22,7 +22,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from primerl.trainer.weights import STABLE_MARKER, latest_stable
+from primerl.transport.atomic import STABLE_MARKER, latest_stable
+from primerl.transport.run_dir import checkpoint_path, checkpoints_root
 
 STATE_FILE = "trainer_state.json"
 
@@ -34,12 +35,8 @@ class CorruptCheckpoint(RuntimeError):
         )
 
 
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-
-
 def latest_checkpoint(run_dir: str | Path) -> int | None:
-    return latest_stable(Path(run_dir) / "checkpoints")
+    return latest_stable(checkpoints_root(run_dir))
 
 
 def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:

@@ -34,7 +34,7 @@ class LossConfig:
 @dataclass
 class TrainerConfig:
     seq_len: int = 512
-    micro_batch_size: int = 1
+    micro_batch_size: int = 8  # packed rows per forward/backward pass
     max_steps: int = 20
     checkpoint_every: int = 1  # steps between model+optimizer checkpoints (resume point after a crash)
     keep_checkpoints: int = 2

@@ -5,7 +5,6 @@ Backend `auto` is NCCL when CUDA is present and gloo on CPU.
 """
 
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -14,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from primerl.utils.process import free_port
 
 T = TypeVar("T")
 
@@ -28,12 +29,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(backend: str = "auto") -> DistInfo:

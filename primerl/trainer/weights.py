@@ -1,19 +1,16 @@
-"""Hugging Face safetensors checkpoints written atomically, read without pickles.
-
-A published directory is complete iff it holds the `STABLE` marker: it is written under a temporary name,
-marked, then renamed into place, so a crash half-way leaves nothing a reader would load.
+"""Hugging Face safetensors checkpoints of a model being trained, published atomically (primerl.transport.atomic):
+a directory is complete iff it holds the STABLE marker, so a crash half-way leaves nothing a reader would load.
 """
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-STABLE_MARKER = "STABLE"
+from primerl.transport.atomic import atomic_dir
+
 _COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
 
@@ -21,16 +18,6 @@ _COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gather the full, unsharded state dict onto rank 0's CPU (a collective: every rank calls it)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def is_stable(path: str | Path) -> bool:
-    return (Path(path) / STABLE_MARKER).exists()
-
-
-def latest_stable(folder: str | Path) -> int | None:
-    """The largest n of the STABLE `step_<n>` directories in `folder`, if any."""
-    steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*") if p.is_dir() and is_stable(p)]
-    return max(steps) if steps else None
 
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -54,25 +41,16 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `state_dict` as model.safetensors plus the base model's config and tokenizer files, atomically."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-        if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
-            if tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr() or torch.equal(
-                tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
-            ):
-                del tensors["lm_head.weight"]  # tied: HF and vLLM re-tie on load
-        tensors = per_expert_tensors(tensors)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
+        if tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr() or torch.equal(
+            tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+        ):
+            del tensors["lm_head.weight"]  # tied: HF and vLLM re-tie on load
+    tensors = per_expert_tensors(tensors)
+    with atomic_dir(out_dir) as staging:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         for name in _COPIED_FILES:
             if (Path(base_dir) / name).exists():
                 shutil.copy2(Path(base_dir) / name, staging / name)
-        (staging / STABLE_MARKER).touch()
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+    return Path(out_dir)

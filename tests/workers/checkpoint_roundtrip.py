@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
-from primerl.trainer.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from primerl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from primerl.trainer.dist import close_distributed, data_mesh, init_distributed, main_rank_first, shard_model
+from primerl.transport.run_dir import checkpoint_path
 
 
 def full_state(model, optimizer) -> dict[str, torch.Tensor]:

@@ -1,21 +1,19 @@
-"""Data that crosses process boundaries, defined once: orchestrator -> trainer batches, trainer -> inference weights.
+"""Orchestrator -> trainer: the batch for trainer step n is one safetensors file, `rollout_path(run, n)`.
 
-A rollout batch for trainer step n is one safetensors file `<run>/rollouts/step_<n>.safetensors` (tensors named
-`mb<i>.<field>`, JSON metadata), written to a temporary name and renamed, so a reader sees nothing or all of it.
-Weights for policy version v are the HF directory `<run>/weights/step_<v>` (primerl.trainer.weights), complete
-iff it holds the STABLE marker. Policy version v = the weights after v trainer steps; version 0 is the start.
-No pickles anywhere: safetensors and JSON only.
+Tensors are named `mb<i>.<field>` (one group per micro-batch), the rest of `RolloutBatch` is JSON metadata. The file is
+written atomically, so the trainer sees nothing or all of it, and read with safetensors only (no pickles).
 """
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from primerl.transport.atomic import atomic_file
+from primerl.transport.run_dir import rollout_path
 
 MICRO_BATCH_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages")
 
@@ -29,8 +27,9 @@ class Sample:
     logprobs: list[float]  # inference logprob of each token (0.0 where not sampled)
     reward: float
     advantage: float
-    policy_version: int
+    policy_version: int  # the oldest policy that generated any of its tokens (the version when its group started)
     task_key: str = ""
+    last_policy_version: int | None = None  # the newest (a rollout may span weight updates); None: policy_version
 
 
 @dataclass
@@ -44,28 +43,13 @@ class RolloutBatch:
     data_position: int = 0  # tasks the orchestrator has consumed through this batch: where a resume goes on
 
 
-def rollout_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "rollouts" / f"step_{step:06d}.safetensors"
-
-
-def weights_path(run_dir: str | Path, version: int) -> Path:
-    return Path(run_dir) / "weights" / f"step_{version:06d}"
-
-
 def write_rollout_batch(run_dir: str | Path, batch: RolloutBatch) -> Path:
     target = rollout_path(run_dir, batch.step)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"mb{i}.{k}": v.contiguous() for i, mb in enumerate(batch.micro_batches) for k, v in mb.items()}
     meta = {k: v for k, v in asdict(batch).items() if k != "micro_batches"}
     meta["num_micro_batches"] = len(batch.micro_batches)
-    fd, tmp = tempfile.mkstemp(prefix=".step-", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
+    with atomic_file(target) as tmp:
         save_file(tensors, tmp, metadata={"primerl": json.dumps(meta)})
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 
@@ -76,10 +60,3 @@ def read_rollout_batch(path: str | Path) -> RolloutBatch:
             {k: f.get_tensor(f"mb{i}.{k}") for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))
         ]
     return RolloutBatch(micro_batches=micro, **meta)
-
-
-def latest_stable_version(run_dir: str | Path) -> int | None:
-    """The newest published policy version (a weights directory with the STABLE marker), if any."""
-    from primerl.trainer.weights import latest_stable
-
-    return latest_stable(Path(run_dir) / "weights")

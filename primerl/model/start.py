@@ -1,4 +1,8 @@
-"""Where the SFT warm-start checkpoint of a config lives; RL starts from it."""
+"""Which weights a run starts from: the SFT warm-start checkpoint (cached, keyed by what changes it) or the base model.
+
+Every process asks this module, so inference serves, the orchestrator tokenizes for and the trainer trains the same
+start weights.
+"""
 
 import hashlib
 import json

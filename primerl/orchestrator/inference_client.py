@@ -1,0 +1,92 @@
+"""The orchestrator's side of an inference server: health, the policy it serves, in-flight weight updates, load.
+
+All calls are async (httpx) and carry the server's key. A weight update does not drain the server:
+
+    POST /pause?mode=keep&clear_cache=false
+                            the engine stops scheduling; running and queued requests freeze where they are, KV kept
+    POST /collective_rpc    primerl_load_weights(path, version) on every worker (reload in place)
+    POST /resume            frozen requests continue on the new weights; new requests are scheduled again
+
+A request that was running across the update continues with KV computed by the old weights (its sample records both
+versions). A request that arrives after the pause never touches KV from older weights: the server's cache-salt
+middleware (primerl.inference.cache_salt) salts every request with the number of pauses so far.
+"""
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+from primerl.utils.log import get_logger
+
+log = get_logger(__name__)
+
+_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+class InferenceClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0):
+        self.base_url = base_url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
+        # would be written into the closed socket. Admin calls are few; a loopback connect costs ~0.1 ms.
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s,
+                                      limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Until /health answers 200, probing with back-off up to 10 s apart."""
+        deadline, delay = time.monotonic() + timeout_s, 0.5
+        while not await self.healthy():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference server {self.base_url} not healthy after {timeout_s:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def _rpc(self, method: str, *args: str) -> list[str]:
+        r = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} failed on {self.base_url} ({r.status_code}): {r.text[:500]}")
+        return [str(x) for x in r.json()["results"]]
+
+    async def policy_version(self) -> int:
+        versions = {int(v) for v in await self._rpc("primerl_get_policy_version")}
+        if len(versions) != 1:
+            raise RuntimeError(f"workers of {self.base_url} disagree on the policy version: {sorted(versions)}")
+        return versions.pop()
+
+    async def load_weights(self, path: str | Path, version: int) -> float:
+        """Pause (keeping in-flight requests), load `path` as policy `version`, resume; returns the seconds paused."""
+        started = time.perf_counter()
+        # clear_cache=false: vLLM's default would preempt every running request and recompute its KV after resume
+        (await self.http.post("/pause", params={"mode": "keep", "clear_cache": "false"})).raise_for_status()
+        try:
+            await self._rpc("primerl_load_weights", str(path), str(version))
+        finally:
+            (await self.http.post("/resume")).raise_for_status()
+        return time.perf_counter() - started
+
+    async def running_requests(self) -> float | None:
+        """vLLM's `num_requests_running` gauge (None when unreadable)."""
+        try:
+            r = await self.http.get("/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        values = [float(v) for v in _RUNNING.findall(r.text)] if r.status_code == 200 else []
+        return sum(values) if values else None

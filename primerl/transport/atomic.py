@@ -1,0 +1,55 @@
+"""Files and directories that appear whole or not at all: written under a temporary name beside the target, then
+renamed into place (a rename within one directory is atomic on POSIX). A crash, a kill or a full disk mid-write leaves
+only a dot-named temporary, which no reader looks at, and never a partial target."""
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+STABLE_MARKER = "STABLE"  # the last file written into a published directory: readers load only directories with it
+
+
+@contextmanager
+def atomic_file(target: str | Path) -> Iterator[Path]:
+    """Yields a temporary path beside `target` to write; it replaces `target` if the block ends without error."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextmanager
+def atomic_dir(target: str | Path, mark_stable: bool = True) -> Iterator[Path]:
+    """Yields an empty staging directory beside `target`; if the block ends without error it is marked STABLE (when
+    `mark_stable`) and renamed over `target` (an older `target` is removed first)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging
+        if mark_stable:
+            (staging / STABLE_MARKER).touch()
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def is_stable(path: str | Path) -> bool:
+    return (Path(path) / STABLE_MARKER).exists()
+
+
+def latest_stable(folder: str | Path) -> int | None:
+    """The largest n of the STABLE `step_<n>` directories in `folder`, if any."""
+    steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*") if p.is_dir() and is_stable(p)]
+    return max(steps) if steps else None

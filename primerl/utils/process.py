@@ -1,0 +1,38 @@
+"""Operating-system helpers every process may need: stopping process groups, picking a free port."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process_groups(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM each live process's group, wait up to `grace_s` in all, then SIGKILL every group: grandchildren
+    (vLLM's engine core, torchrun's ranks) may outlive their parent's exit. Each process must lead its own group
+    (started with `start_new_session=True`)."""
+    alive = [p for p in processes if p.poll() is None]
+    for process in alive:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in alive:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)
+        process.wait()

@@ -1,0 +1,261 @@
+"""The orchestrator's components on a fake environment whose rollouts take chosen times (no server): exactly-once
+accounting, the two staleness bounds under policy updates in flight, cancellation, batch cuts with leftovers,
+async_level=0 exactly on-policy, lock-step mode. Batches go through the real writer into a real run directory."""
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from primerl.envs.verifiers_env import Rollout, RolloutFailure, ScoredBranch
+from primerl.metrics import ORCHESTRATOR, read_metrics
+from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.dispatcher import Dispatcher
+from primerl.orchestrator.orchestrator import Orchestrator
+from primerl.orchestrator.sink import Sink
+from primerl.orchestrator.source import TaskSource
+from primerl.orchestrator.types import FinishedGroup, FinishedRollout, Policy
+from primerl.orchestrator.writer import BatchWriter
+from primerl.transport.batches import read_rollout_batch
+from primerl.transport.run_dir import rollout_path, samples_path
+
+
+@dataclass
+class FakeTask:
+    index: int
+
+    @property
+    def key(self) -> str:
+        return f"task-{self.index}"
+
+
+@dataclass
+class FakeRunner:
+    """Each rollout sleeps `duration(task)` seconds, then returns reward task.index % 5 / 4 (or fails, per `fails`).
+    Records every rollout's start, end and cancellation, and the policy version it started and ended under."""
+
+    policy: Policy
+    duration: object = lambda task: 0.001
+    fails: object = lambda task: None  # a failure reason, or None
+    started: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    running: int = 0
+    max_running: int = 0
+    spans: list = field(default_factory=list)
+
+    async def run(self, task: FakeTask):
+        self.started += 1
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        first = self.policy.version
+        try:
+            await asyncio.sleep(self.duration(task))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+        self.finished += 1
+        self.spans.append((first, self.policy.version))
+        if (reason := self.fails(task)) is not None:
+            if reason == "raise":
+                raise ValueError("env bug")
+            return [RolloutFailure(reason)]
+        ids = [1, 2, 3, 4 + task.index % 7]
+        branch = ScoredBranch(ids, [False, False, True, True], [0.0, 0.0, -0.5, -0.7])
+        reward = (task.index % 5) / 4
+        return [Rollout(reward, {"score": reward}, [branch], "answer", "user: question", {"turns": 1.0})]
+
+
+class RecordingWriter(BatchWriter):
+    """The real writer (files in the run directory), remembering the samples of each batch."""
+
+    def __init__(self, run_dir):
+        super().__init__(run_dir, seq_len=64, micro_batch_size=4, pad_id=0)
+        self.samples = {}
+
+    def write(self, step, samples, metrics, data_position, examples):
+        self.samples[step] = samples
+        super().write(step, samples, metrics, data_position, examples)
+
+
+async def fake_trainer(orchestrator: Orchestrator, run_dir, policy: Policy, train_s: float) -> None:
+    """Trains each batch as it appears (train_s seconds), then serves policy step+1, as trainer and watcher do."""
+    step = 0
+    while True:
+        if rollout_path(run_dir, step).exists():
+            await asyncio.sleep(train_s)
+            policy.version = step + 1
+            orchestrator.notify()
+            step += 1
+        await asyncio.sleep(0.001)
+
+
+def run_pipeline(tmp_path, steps: int, runner_kwargs=None, train_s: float = 0.01, **cfg_kwargs):
+    cfg = OrchestratorConfig(**{"batch_size": 8, "group_size": 4, "max_inflight": 16, **cfg_kwargs})
+    policy = Policy()
+    runner = FakeRunner(policy, **(runner_kwargs or {}))
+    writer = RecordingWriter(tmp_path)
+    tasks = (FakeTask(i) for i in range(10_000))
+    orchestrator = Orchestrator(cfg, steps, TaskSource(tasks), runner, writer, policy)
+
+    async def main():
+        trainer = asyncio.create_task(fake_trainer(orchestrator, tmp_path, policy, train_s))
+        try:
+            await asyncio.wait_for(orchestrator.run(), 30)
+        finally:
+            trainer.cancel()
+
+    asyncio.run(main())
+    return orchestrator, runner, writer
+
+
+def heavy_tail(seed: int):
+    rng = random.Random(seed)
+    return lambda task: 0.002 * (8 if rng.random() < 0.1 else rng.uniform(0.5, 1.5))
+
+
+@pytest.mark.parametrize("async_level,max_off", [(1, None), (1, 2), (2, 2)])
+def test_staleness_bounds_and_exactly_once_accounting_under_updates_in_flight(tmp_path, async_level, max_off):
+    steps = 12
+    orch, runner, writer = run_pipeline(tmp_path, steps, {"duration": heavy_tail(0)}, async_level=async_level,
+                                        max_off_policy_steps=max_off)  # fmt: skip
+    bound = async_level if max_off is None else max_off
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    assert [r["step"] for r in rows] == list(range(steps))
+    for step in range(steps):
+        batch = read_rollout_batch(rollout_path(tmp_path, step))
+        assert batch.num_samples == 8  # exactly batch_size, leftovers go to the next batch
+        assert batch.min_policy_version >= step - bound  # the off-policy bound
+        assert rows[step]["policy_version"] >= step - async_level  # cut only once policy step - async_level served
+        assert all(step - s.policy_version <= bound for s in writer.samples[step])
+        assert rows[step]["off_policy/max"] <= bound
+    # every dispatched rollout is accounted for exactly once; every cancelled one really stopped
+    c = orch.dispatcher.counts
+    assert not orch.dispatcher.groups
+    assert c.dispatched == c.ok + c.failed + c.cancelled == runner.started
+    assert runner.finished + runner.cancelled == runner.started
+    assert c.cancelled >= runner.cancelled  # a cancelled group counts its finished rollouts too
+    # updates happened while rollouts were in flight: some rollouts spanned two policies
+    assert any(last > first for first, last in runner.spans)
+    assert max(r["off_policy/span_max"] for r in rows) >= 1
+    positions = [read_rollout_batch(rollout_path(tmp_path, s)).data_position for s in range(steps)]
+    assert positions == sorted(positions) and positions[-1] > positions[0]
+
+
+def test_stale_groups_are_cancelled_and_counted(tmp_path):
+    """One task in 5 is 50x slower: its groups cannot finish before they are too stale, and are cancelled in flight."""
+    slow = lambda task: 0.1 if task.index % 5 == 0 else 0.002  # noqa: E731
+    orch, runner, writer = run_pipeline(tmp_path, 10, {"duration": slow}, train_s=0.002, max_inflight=32)
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    assert sum(r["rollouts/cancelled"] for r in rows) > 0 and runner.cancelled > 0
+    assert all(s.policy_version >= step - 1 for step, batch in writer.samples.items() for s in batch)
+    c = orch.dispatcher.counts
+    assert c.dispatched == c.ok + c.failed + c.cancelled
+
+
+def test_async_level_zero_is_exactly_on_policy(tmp_path):
+    orch, runner, writer = run_pipeline(tmp_path, 6, {"duration": heavy_tail(1)}, async_level=0)
+    for step, samples in writer.samples.items():
+        # generated entirely by the policy the batch trains: started and finished under version `step`
+        assert {(s.policy_version, s.last_policy_version) for s in samples} == {(step, step)}
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    assert [r["off_policy/max"] for r in rows] == [0] * 6 and [r["off_policy/span_max"] for r in rows] == [0] * 6
+
+
+def test_failures_are_counted_and_a_hopeless_env_stops_the_run(tmp_path):
+    fails = lambda task: {0: "reward NaN", 1: "raise"}.get(task.index % 4)  # noqa: E731
+    orch, runner, writer = run_pipeline(tmp_path / "some", 5, {"fails": fails})
+    rows = read_metrics(tmp_path / "some", ORCHESTRATOR)
+    assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
+    c = orch.dispatcher.counts
+    assert c.dispatched == c.ok + c.failed + c.cancelled
+    with pytest.raises(RuntimeError, match="rollouts in a row failed"):
+        run_pipeline(tmp_path / "all", 5, {"fails": lambda task: "always"})
+
+
+def test_timeouts_are_failures(tmp_path):
+    """Task 0's group hangs; with a loose staleness bound it is not cancelled as stale first, so it times out."""
+    slow = lambda task: 5.0 if task.index == 0 else 0.01  # noqa: E731
+    orch, runner, writer = run_pipeline(tmp_path, 10, {"duration": slow}, rollout_timeout_s=0.03, async_level=10)
+    assert orch.dispatcher.counts.failed == 4  # task 0's group of 4
+    assert sum(r["rollouts/failed"] for r in read_metrics(tmp_path, ORCHESTRATOR)) == 4
+
+
+def test_drain_per_step_is_lock_step(tmp_path):
+    orch, runner, writer = run_pipeline(tmp_path, 5, {"duration": heavy_tail(2)}, drain_per_step=True,
+                                        max_inflight=64, async_level=1)  # fmt: skip
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    assert runner.max_running == 8  # one batch of groups at a time, never more
+    assert all(r["inflight/rollouts"] == 0 and r["queue/buffered_samples"] == 0 for r in rows)
+    assert all(r["rollouts/cancelled"] == 0 for r in rows) and orch.dispatcher.counts.cancelled == 0
+    for samples in writer.samples.values():  # each batch is one round: its tasks were drawn together
+        assert len({s.task_key for s in samples}) == 2
+    assert [r["step"] for r in rows] == list(range(5))
+    assert samples_path(tmp_path).read_text().count("\n") >= 5
+
+
+def test_sink_cuts_exact_batches_keeps_leftovers_and_drops_stale():
+    sink = Sink(batch_size=5, max_off_policy_steps=1)
+
+    def group(gid: int, version: int, n: int = 3) -> FinishedGroup:
+        branch = ScoredBranch([1, 2], [False, True], [0.0, -1.0])
+        rollouts = [FinishedRollout(Rollout(float(i), {}, [branch], "c"), version) for i in range(n)]
+        return FinishedGroup(gid, f"t{gid}", version, rollouts, ok_rollouts=n)
+
+    sink.add(group(0, version=0))
+    assert sink.cut(step=0) is None  # 3 < 5
+    sink.add(group(1, version=1))
+    cut = sink.cut(step=1)
+    assert len(cut.samples) == 5 and sink.buffered == 1  # one leftover
+    assert [s.policy_version for s in cut.samples] == [0, 0, 0, 1, 1]  # oldest first
+    assert [s.advantage for s in cut.samples[:3]] == [-1.0, 0.0, 1.0]  # group-relative: reward - group mean
+    sink.add(group(2, version=3))
+    sink.add(group(3, version=3))
+    cut = sink.cut(step=3)  # the v1 leftover lags step 3 by 2 > 1: dropped, and reported with this batch
+    assert cut.dropped == 1 and all(s.policy_version == 3 for s in cut.samples) and sink.buffered == 1
+    assert cut.examples and cut.examples[0]["policy_versions"] == [3, 3]
+
+
+def test_dispatcher_respects_max_inflight_and_cancels_by_version():
+    async def main():
+        policy = Policy()
+        runner = FakeRunner(policy, duration=lambda task: 10.0)
+        delivered = []
+        dispatcher = Dispatcher(TaskSource(FakeTask(i) for i in range(100)), runner, policy, group_size=4,
+                                max_inflight=10, rollout_timeout_s=60, deliver=delivered.append)  # fmt: skip
+        running = asyncio.create_task(dispatcher.run())
+        await asyncio.sleep(0.05)
+        assert dispatcher.inflight_rollouts == 8 and runner.max_running == 8  # two groups of 4 fit under 10
+        policy.version = 1
+        dispatcher.wake()
+        await asyncio.sleep(0.01)
+        assert dispatcher.cancel_older_than(1, "test") == 2
+        await asyncio.sleep(0.05)  # the two v1 groups that replace them
+        assert dispatcher.counts.cancelled == 8 and runner.cancelled == 8
+        assert {g.version for g in dispatcher.groups.values()} == {1}
+        await dispatcher.stop()
+        running.cancel()
+        c = dispatcher.counts
+        assert c.dispatched == 16 == c.cancelled and not dispatcher.groups
+        reasons = [group.reason for group in delivered]
+        assert reasons.count("test") == 2 and len(reasons) == 4
+
+    asyncio.run(main())
+
+
+def test_partial_groups_never_stall_the_cut(tmp_path):
+    """Every group loses one rollout, so buffers hold 3, 6, ... samples: a batch of 8 must still fill (admitting only
+    when a whole group fits would leave 6 buffered and nothing admitted, forever)."""
+    seen: dict[int, int] = {}
+
+    def first_rollout_fails(task):
+        seen[task.index] = seen.get(task.index, 0) + 1
+        return "first of its group" if seen[task.index] == 1 else None
+
+    orch, runner, writer = run_pipeline(tmp_path, 4, {"fails": first_rollout_fails}, async_level=0)
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    assert [r["step"] for r in rows] == list(range(4)) and all(len(s) == 8 for s in writer.samples.values())
+    assert all(r["off_policy/max"] == 0 for r in rows)  # the overshoot was dropped, not trained late
