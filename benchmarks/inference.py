@@ -7,11 +7,12 @@
    (verifiers env, in-process chat harness, train client with token ids and logprobs, scoring). Rounds alternate;
    the median of each is reported, with the ratio (goal: primerl within 10% of raw).
 2. Weight-update latency vs model size: tiny Qwen3s of growing hidden size, each served by its own vLLM; the
-   median of 5 in-place reloads of a published checkpoint (primerl.inference.server.load_weights).
+   median of 5 in-flight reloads of a published checkpoint (pause, load, resume: primerl.orchestrator.inference_client).
 """
 
 import argparse
 import asyncio
+import itertools
 import shutil
 import statistics
 import tempfile
@@ -22,10 +23,15 @@ import aiohttp
 
 from primerl.config.cli import check
 from primerl.envs.reverse_text import make_texts, prompt_messages
-from primerl.inference.server import SERVED_MODEL_NAME, VllmServer, load_weights, render_specs
+from primerl.envs.verifiers_env import Rollout, load_env
+from primerl.inference.server import VllmServer, render_specs
 from primerl.model.resolve import base_model_path
 from primerl.model.start import initial_model_path
+from primerl.orchestrator.inference_client import InferenceClient
+from primerl.orchestrator.orchestrator import env_runner
 from primerl.trainer.weights import save_hf_checkpoint
+from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import SERVED_MODEL_NAME
 from primerl.utils.process import free_port
 
 
@@ -46,23 +52,24 @@ async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int
 
 
 async def overhead(cfg, rounds: int) -> None:
-    from primerl.orchestrator.__main__ import Orchestrator
-
-    orch = Orchestrator(cfg)
-    orch.tasks = iter(orch.env.taskset)
-    n_tasks = cfg.orchestrator.batch_size // cfg.orchestrator.group_size
+    env = load_env(cfg.env)
+    runner = env_runner(cfg, env, initial_model_path(cfg))
+    tasks = iter(env.taskset)
+    n_tasks, group = cfg.orchestrator.batch_size // cfg.orchestrator.group_size, cfg.orchestrator.group_size
+    base_url = f"http://{cfg.inference.host}:{cfg.inference.port}"
     raw_rates, ours_rates, cpu_ms = [], [], []
-    async with orch.env.serving():
+    async with env.serving():
         for r in range(rounds + 1):  # round 0 warms both paths up and is not counted
             texts = make_texts(1000 + r, n_tasks)
-            tokens, seconds = await raw_round(
-                orch.base_url, texts, cfg.orchestrator.group_size, cfg.orchestrator.max_tokens
-            )
+            tokens, seconds = await raw_round(base_url, texts, group, cfg.orchestrator.max_tokens)
+            batch = list(itertools.islice(tasks, n_tasks))
             started, cpu_started = time.perf_counter(), time.process_time()
-            samples, _, _ = await orch.generate(r)
+            # what the dispatcher runs: every rollout of a batch through the env runner, concurrently
+            results = await asyncio.gather(*(runner.run(task) for task in batch for _ in range(group)))
             ours_s = time.perf_counter() - started
-            cpu_ms.append(1000 * (time.process_time() - cpu_started) / len(samples))
-            ours_tokens = sum(sum(s.sampled_mask) for s in samples)
+            rollouts = [e for entries in results for e in entries if isinstance(e, Rollout)]
+            cpu_ms.append(1000 * (time.process_time() - cpu_started) / len(results))
+            ours_tokens = sum(sum(b.sampled_mask) for rollout in rollouts for b in rollout.branches)
             if r:
                 raw_rates.append(tokens / seconds)
                 ours_rates.append(ours_tokens / ours_s)
@@ -83,6 +90,11 @@ def arch_overrides(hidden: int) -> list[str]:
             f"model.arch.head_dim={hidden // heads}"]  # fmt: skip
 
 
+async def reload_times(base_url: str, published: Path, repeats: int) -> list[float]:
+    async with InferenceClient(base_url) as client:
+        return [await client.load_weights(published, v + 1) for v in range(repeats)]
+
+
 def weight_update(sizes: list[int], root: Path) -> None:
     print(f"\n{'hidden':>6} {'params':>10} {'MB':>7} {'reload s (median of 5)':>23}")
     for hidden in sizes:
@@ -93,11 +105,11 @@ def weight_update(sizes: list[int], root: Path) -> None:
 
         state = load_file(Path(model_dir) / "model.safetensors")
         params = sum(t.numel() for t in state.values())
-        published = save_hf_checkpoint(state, model_dir, root / f"weights-{hidden}")
+        published = save_hf_checkpoint(state, model_dir, weights_path(root, hidden))  # under the run: servable
         mb = (published / "model.safetensors").stat().st_size / 2**20
         (spec,) = render_specs(cfg, model_dir, "cpu")
         with VllmServer(spec, root / f"vllm-{hidden}.log").start():
-            times = [load_weights(spec.base_url, published, v + 1) for v in range(5)]
+            times = asyncio.run(reload_times(spec.base_url, published, 5))
         print(f"{hidden:>6} {params:>10,} {mb:>7.1f} {statistics.median(times):>23.3f}", flush=True)
         shutil.rmtree(published)
 

@@ -29,6 +29,9 @@ class OrchestratorMetric:
     INFERENCE_IDLE = "inference/idle_fraction"  # of the wall time since the previous cut with no running request
     LOOP_LAG_MAX = "loop/lag_max_s"  # event-loop lag: how late a 50 ms timer fired
     LOOP_LAG_MEAN = "loop/lag_mean_s"
+    ROLLOUT_MEDIAN_S = "time/rollout_median_s"  # wall time of the rollouts finished since the previous cut
+    ROLLOUT_P90_S = "time/rollout_p90_s"
+    ROLLOUT_MAX_S = "time/rollout_max_s"
     BATCH_S = "time/generate_s"  # wall time since the previous cut
     WAIT_POLICY_S = "time/wait_policy_s"  # of which the cut waited for a newer policy (async_level)
     WEIGHT_LOAD_S = "time/weight_load_s"  # of which the inference server was paused for weight loads

@@ -42,3 +42,27 @@ def sweep_children(store: Path, sweep: Path, lrs: list[str]) -> list:
     assert all(r.info.status == "FINISHED" and "orchestrator/reward/mean" in r.data.metrics for r in children)
     assert client.get_run(parent).info.status == "FINISHED"
     return children
+
+
+def model_samples(model_dir: str, n: int = 24, advantage=None) -> list:
+    """RL samples whose inference logprobs are the model's own (ratio 1), with mixed-sign advantages (or `advantage`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from primerl.envs.reverse_text import make_texts, prompt_messages
+    from primerl.model.tiny import build_tokenizer
+    from primerl.sft.data import chat_example
+    from primerl.trainer.loss import token_logprobs
+    from primerl.transport.batches import Sample
+
+    tok, model = build_tokenizer(), AutoModelForCausalLM.from_pretrained(model_dir)
+    samples = []
+    for i, text in enumerate(make_texts(7, n)):
+        ex = chat_example(tok, prompt_messages(text), text[::-1] if i % 3 else text)
+        ids = torch.tensor([ex.input_ids])
+        with torch.no_grad():
+            logp = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
+        logprobs = [0.0] + [lp if m else 0.0 for lp, m in zip(logp, ex.loss_mask[1:])]
+        adv = (-1) ** i * (0.5 + i / n) if advantage is None else advantage
+        samples.append(Sample(ex.input_ids, ex.loss_mask, logprobs, 1.0, adv, 0))
+    return samples

@@ -1,5 +1,10 @@
 """Config composition of every experiment and group option, and one-line errors for bad input."""
 
+import collections
+import dataclasses
+import enum
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -56,7 +61,7 @@ def test_every_group_option_composes(group, option):
             "511 is not divisible by parallelism.cp=2",
         ),
         (["sft.seq_len=4096"], "sft.seq_len", "exceeds model.arch.max_position_embeddings"),
-        (["sft.uppercase_fraction=1.0"], "sft.uppercase_fraction", "must be in [0, 1), got 1.0"),
+        (["sft.uppercase_fraction=1.0"], "sft.uppercase_fraction", "must be < 1, got 1.0"),
         (["launcher.name=k8s"], "launcher.name", "is not one of [local, slurm]"),
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),
@@ -130,3 +135,77 @@ def test_conf_groups_match_the_schema():
         "hydra",  # Hydra's own groups: hydra/sweeper=optuna_reward
     }
     assert {p.name for p in Path(CONF_DIR).iterdir() if p.is_dir()} == expected
+
+
+def _fields(cls, prefix: str = ""):
+    """(dotted key, type, dataclass field) of every leaf of the schema; and (dotted key, None, None) per group node."""
+    hints = typing.get_type_hints(cls)
+    yield prefix.rstrip("."), None, None
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _fields(kind, f"{prefix}{field.name}.")
+        else:
+            yield f"{prefix}{field.name}", kind, field
+
+
+def _wrong_value(kind) -> str:
+    """A value of the wrong type for a field of type `kind` (its non-None part)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    base = args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
+    origin = typing.get_origin(base) or base
+    if isinstance(origin, type) and issubclass(origin, enum.Enum):
+        return "notamember"
+    return {bool: "notabool", int: "notanint", float: "notafloat", str: "[1,2]", list: "notalist", dict: "5"}[origin]
+
+
+def _out_of_range(kind, limits: dict) -> str:
+    """A value just outside the first declared limit."""
+    number = int if int in (kind, *typing.get_args(kind)) else float
+    step = 1 if number is int else 0.5
+    name, limit = next(iter(limits.items()))
+    value = {"ge": limit - step, "gt": limit, "le": limit + step, "lt": limit}[name]
+    return str(number(value))
+
+
+def _schema_cases():
+    from primerl.config.bounds import bounds_of
+    from primerl.config.schema import RunConfig
+
+    for key, kind, field in _fields(RunConfig):
+        if kind is None:
+            yield "unknown key", f"{key + '.' if key else ''}no_such_key=1", f"{key + '.' if key else ''}no_such_key"
+            continue
+        yield "wrong type", f"{key}={_wrong_value(kind)}", key
+        if limits := bounds_of(field):
+            yield "out of range", f"{key}={_out_of_range(kind, limits)}", key
+
+
+SCHEMA_CASES = list(_schema_cases())
+
+
+def test_every_field_of_the_schema_refuses_bad_values_in_one_line(capsys):
+    """A wrong type for every field, a value outside every declared range, an unknown key in every group: each one
+    exits 2 with one line that names the key, before any process starts (the command line's own check)."""
+    from primerl.config.cli import preflight
+
+    kinds = collections.Counter(kind for kind, _, _ in SCHEMA_CASES)
+    assert kinds["wrong type"] >= 90 and kinds["out of range"] >= 50 and kinds["unknown key"] >= 12, kinds
+    for kind, override, key in SCHEMA_CASES:
+        with pytest.raises(SystemExit) as info:
+            preflight([override])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2, (kind, override)
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, (kind, override, err)
+        named = err.removeprefix("primerl: config error: ").split(":")[0]
+        assert named == key or named.startswith(key + "["), (kind, override, err)
+    print(f"{len(SCHEMA_CASES)} bad values refused: {dict(kinds)}")
+
+
+def test_a_bad_value_through_the_real_command_line():
+    """The same check on the real entry points (a sample; the walk above runs the same code in-process)."""
+    for module, override in (("primerl.train", "inference.port=70000"), ("primerl.trainer", "model.arch.hidden_size=x"),
+                             ("primerl.orchestrator", "orchestrator.nope=1")):  # fmt: skip
+        result = run_module(module, override, timeout=120)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(f"primerl: config error: {override.split('=')[0]}"), result.stderr

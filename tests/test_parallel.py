@@ -4,35 +4,16 @@ batch to the same loss, gradient norm and weights."""
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from primerl.config.cli import check
-from primerl.envs.reverse_text import make_texts, prompt_messages
 from primerl.metrics import read_metrics
 from primerl.model.resolve import base_model_path
-from primerl.model.tiny import build_tokenizer
 from primerl.orchestrator.batch import build_batch
-from primerl.sft.data import chat_example
-from primerl.trainer.loss import token_logprobs
-from primerl.transport.batches import Sample, write_rollout_batch
+from primerl.transport.batches import write_rollout_batch
 from primerl.transport.run_dir import weights_path
-from tests.conftest import run_module
+from tests.conftest import model_samples, run_module
 
 pytestmark = pytest.mark.slow
-
-
-def _batch_from_the_model(model_dir: str, n: int = 24):
-    """Samples whose inference logprobs are the model's own (ratio 1), with mixed-sign advantages."""
-    tok, model = build_tokenizer(), AutoModelForCausalLM.from_pretrained(model_dir)
-    samples = []
-    for i, text in enumerate(make_texts(7, n)):
-        ex = chat_example(tok, prompt_messages(text), text[::-1] if i % 3 else text)
-        ids = torch.tensor([ex.input_ids])
-        with torch.no_grad():
-            logp = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
-        logprobs = [0.0] + [lp if m else 0.0 for lp, m in zip(logp, ex.loss_mask[1:])]
-        samples.append(Sample(ex.input_ids, ex.loss_mask, logprobs, 1.0, (-1) ** i * (0.5 + i / n), 0))
-    return samples
 
 
 @pytest.mark.parametrize("model,parallelism", [("tiny", "fsdp2"), ("tiny_moe", "fsdp2_ep"), ("tiny", "fsdp2_cp")])
@@ -43,7 +24,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     args = ["+experiment=reverse_text", "sft.enabled=false", "trainer.max_steps=1", f"cache_dir={cache_dir}",
             f"model={model}"]  # fmt: skip
     cfg = check([*args, f"output_dir={tmp_path}"])
-    samples = _batch_from_the_model(base_model_path(cfg))
+    samples = model_samples(base_model_path(cfg))
     batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0)
     while len(batch.micro_batches) % 2 == 0:  # make the count odd
         samples = samples[:-1]

@@ -24,7 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig, register_schema
 from primerl.config.validate import validate
-from primerl.utils.log import configure_logging
+from primerl.utils.errors import RunError
+from primerl.utils.log import configure_logging, get_logger
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 EXIT_CONFIG_ERROR = 2
@@ -148,6 +149,16 @@ def preflight(argv: list[str], config_name: str = "config") -> None:
         GlobalHydra.instance().clear()
 
 
+def _process_name(task: Callable) -> str:
+    """`trainer` for primerl.trainer.__main__ (run as `python -m primerl.trainer`, where __module__ is `__main__`)."""
+    module = task.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else "primerl"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
 def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], object]], Callable[[], object]]:
     """Decorator: `@hydra_app()` over `def main(cfg: DictConfig)` gives a checked Hydra entry point."""
 
@@ -160,6 +171,9 @@ def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], o
             except ConfigError as err:  # found at run time (world size, devices, env loading): same one line
                 print(f"primerl: config error: {err}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG_ERROR)
+            except RunError as err:
+                get_logger(_process_name(task)).error(str(err))
+                sys.exit(1)
 
         hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(checked)
 

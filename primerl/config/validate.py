@@ -3,6 +3,7 @@
 import ipaddress
 from pathlib import Path
 
+from primerl.config.bounds import check_bounds
 from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.model.config import ModelSource
@@ -18,17 +19,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Raise ConfigError on the first inconsistency. Checks that need the world size live in `check_world_size`."""
+    """Raise ConfigError on the first field out of its range (declared beside it: primerl.config.bounds), then on the
+    first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
+    check_bounds(cfg)
     orch, trainer, model, inf = cfg.orchestrator, cfg.trainer, cfg.model, cfg.inference
-    if orch.group_size < 1:
-        raise ConfigError("orchestrator.group_size", f"must be >= 1, got {orch.group_size}")
     if orch.batch_size % orch.group_size:
         raise ConfigError(
             "orchestrator.batch_size",
             f"{orch.batch_size} is not divisible by orchestrator.group_size={orch.group_size}",
         )
-    if orch.async_level < 0:
-        raise ConfigError("orchestrator.async_level", f"must be >= 0 (0 = synchronous), got {orch.async_level}")
     if orch.max_off_policy_steps is not None and orch.max_off_policy_steps < orch.async_level:
         raise ConfigError("orchestrator.max_off_policy_steps", f"{orch.max_off_policy_steps} is below "
                           f"orchestrator.async_level={orch.async_level}: batches allowed to run ahead would be dropped")  # fmt: skip
@@ -38,9 +37,6 @@ def validate(cfg: RunConfig) -> None:
     if orch.drain_per_step and orch.max_inflight < orch.batch_size:
         raise ConfigError("orchestrator.max_inflight", f"{orch.max_inflight} cannot hold one batch of "
                           f"orchestrator.batch_size={orch.batch_size}, which drain_per_step starts at once")  # fmt: skip
-    for key in ("rollout_timeout_s", "weight_poll_s", "temperature"):
-        if not getattr(orch, key) > 0:
-            raise ConfigError(f"orchestrator.{key}", f"must be > 0, got {getattr(orch, key)}")
     if orch.max_tokens >= inf.max_model_len:
         raise ConfigError(
             "orchestrator.max_tokens",
@@ -51,9 +47,6 @@ def validate(cfg: RunConfig) -> None:
             "trainer.seq_len",
             f"{trainer.seq_len} is shorter than inference.max_model_len={inf.max_model_len}: a full rollout must fit",
         )
-    for key in ("checkpoint_every", "keep_checkpoints"):
-        if getattr(trainer, key) < 1:
-            raise ConfigError(f"trainer.{key}", f"must be >= 1, got {getattr(trainer, key)}")
     if model.source == ModelSource.tiny:
         arch = model.arch
         if arch.num_attention_heads % arch.num_key_value_heads:
@@ -66,8 +59,6 @@ def validate(cfg: RunConfig) -> None:
                 raise ConfigError(
                     key, f"{length} exceeds model.arch.max_position_embeddings={arch.max_position_embeddings}"
                 )
-    if not 0.0 <= cfg.sft.uppercase_fraction < 1.0:
-        raise ConfigError("sft.uppercase_fraction", f"must be in [0, 1), got {cfg.sft.uppercase_fraction}")
     if model.source == ModelSource.hub and not model.hub_id:
         raise ConfigError("model.hub_id", "required when model.source=hub")
     if model.source == ModelSource.path and not model.path:
@@ -77,9 +68,6 @@ def validate(cfg: RunConfig) -> None:
     if not _is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
     par = cfg.parallelism
-    for key in ("ep", "cp"):
-        if getattr(par, key) < 1:
-            raise ConfigError(f"parallelism.{key}", f"must be >= 1, got {getattr(par, key)}")
     if par.dp_shard == 0 or par.dp_shard < -1:
         raise ConfigError("parallelism.dp_shard", f"must be >= 1 or -1 (all remaining ranks), got {par.dp_shard}")
     if par.ep > 1:
@@ -99,9 +87,6 @@ def _validate_launcher(cfg: RunConfig) -> None:
     lc = cfg.launcher
     if lc.name not in ("local", "slurm"):
         raise ConfigError("launcher.name", f"'{lc.name}' is not one of [local, slurm]")
-    for key in ("trainer_nodes", "trainer_tasks_per_node", "cpus_per_task", "time_limit_min"):
-        if getattr(lc, key) < 1:
-            raise ConfigError(f"launcher.{key}", f"must be >= 1, got {getattr(lc, key)}")
     if lc.name == "local" and lc.trainer_nodes != 1:
         raise ConfigError(
             "launcher.trainer_nodes", f"{lc.trainer_nodes} nodes need launcher=slurm; local is one machine"

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+from primerl.config.bounds import bounded
+
 
 class Quantization(Enum):
     none = "none"
@@ -26,23 +28,23 @@ class PdConfig:
 
     enabled: bool = False
     kv_connector: str = "NixlConnector"
-    prefill_port: int = 8100
-    decode_port: int = 8200
+    prefill_port: int = bounded(8100, ge=1, le=65535)
+    decode_port: int = bounded(8200, ge=1, le=65535)
 
 
 @dataclass
 class InferenceConfig:
     name: str = "vllm"
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = bounded(8000, ge=0, le=65535)  # 0: a free port
     api_key: str | None = None
     device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int = 512
-    gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_gib: int = 1
+    max_model_len: int = bounded(512, ge=2)
+    gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
+    cpu_kv_cache_gib: int = bounded(1, ge=1)
     enforce_eager: bool = True
     quantization: Quantization = Quantization.none
     kv_cache_dtype: KvCacheDtype = KvCacheDtype.auto
     pd: PdConfig = field(default_factory=PdConfig)
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = bounded(600.0, gt=0)
     extra_args: list[str] = field(default_factory=list)

@@ -2,22 +2,24 @@
 
 from dataclasses import dataclass, field
 
+from primerl.config.bounds import bounded
+
 
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local | slurm
     # The trainer's ranks: trainer_nodes x trainer_tasks_per_node (local: nodes must be 1; torchrun on this machine).
-    trainer_nodes: int = 1
-    trainer_tasks_per_node: int = 1
+    trainer_nodes: int = bounded(1, ge=1)
+    trainer_tasks_per_node: int = bounded(1, ge=1)
     # SLURM only (primerl/launch/slurm.py): one job each for inference, orchestrator and trainer (and SFT if needed).
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    time_limit_min: int = 60
-    trainer_gpus: int = 0  # per node
-    inference_gpus: int = 0
-    cpus_per_task: int = 2
-    signal_delay_s: int = 90  # SLURM signals a job this long before its time limit: it requeues itself
-    max_requeues: int = 3  # requeues after a time-out; preemptions do not count
+    time_limit_min: int = bounded(60, ge=1)
+    trainer_gpus: int = bounded(0, ge=0)  # per node
+    inference_gpus: int = bounded(0, ge=0)
+    cpus_per_task: int = bounded(2, ge=1)
+    signal_delay_s: int = bounded(90, ge=0)  # SLURM signals a job this long before its time limit: it requeues itself
+    max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
     setup: list[str] = field(default_factory=list)  # shell lines run first in every job (module load, ...)
-    poll_s: float = 5.0  # how often the driver asks SLURM for job states
+    poll_s: float = bounded(5.0, gt=0)  # how often the driver asks SLURM for job states

@@ -15,6 +15,7 @@ from primerl.transport.run_dir import log_path, sft_run_dir
 from primerl.utils.process import free_port, stop_process_groups
 
 GRACE_S = 20.0
+LOOPBACK_GLOO = {"GLOO_SOCKET_IFNAME": "lo"}  # ranks on one machine: gloo's pair sockets listen on loopback only
 
 
 @dataclass
@@ -36,7 +37,7 @@ class LocalLauncher:
         cmd = module_command(
             "primerl.sft", overrides, sft_run_dir(self.run_dir), self.cfg.launcher.trainer_tasks_per_node
         )
-        if subprocess.run(cmd, env=child_env()).returncode != 0:
+        if subprocess.run(cmd, env=child_env() | LOOPBACK_GLOO).returncode != 0:
             raise ChildFailed("SFT warm-start failed (its output is above)")
 
     def start(self, overrides: list[str]) -> None:
@@ -49,7 +50,7 @@ class LocalLauncher:
                     child_env(threads=1))  # fmt: skip
         # on CPU, vLLM pins one core; the trainer gets the rest
         self._spawn("trainer", module_command("primerl.trainer", overrides, self.run_dir, nproc),
-                    child_env(threads=max(1, (os.cpu_count() or 2) - 1) if cpu else None))  # fmt: skip
+                    child_env(threads=max(1, (os.cpu_count() or 2) - 1) if cpu else None) | LOOPBACK_GLOO)  # fmt: skip
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = log_path(self.run_dir, name)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from primerl.config.bounds import bounded
+
 
 @dataclass
 class LedgerConfig:
@@ -9,4 +11,4 @@ class LedgerConfig:
     tracking_uri: str | None = None  # None: an embedded sqlite store, <store_dir>/mlflow.db
     store_dir: str = "outputs"  # relative to the launch directory; holds mlflow.db and mlartifacts/
     experiment_name: str = "${name}"
-    sample_every: int = 5  # log sample rollouts as an artifact every N steps
+    sample_every: int = bounded(5, ge=1)  # log sample rollouts as an artifact every N steps

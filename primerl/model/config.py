@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+from primerl.config.bounds import bounded
+
 
 class ModelSource(Enum):
     tiny = "tiny"  # built locally from `arch` and `init_seed`, cached by its config hash
@@ -14,17 +16,17 @@ class ModelSource(Enum):
 class TinyArchConfig:
     """Qwen3 architecture knobs for the locally built model (dense when num_experts == 0)."""
 
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 384
-    max_position_embeddings: int = 512
-    rope_theta: float = 10000.0
-    num_experts: int = 0
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 128
+    hidden_size: int = bounded(128, ge=1)
+    num_hidden_layers: int = bounded(4, ge=1)
+    num_attention_heads: int = bounded(4, ge=1)
+    num_key_value_heads: int = bounded(2, ge=1)
+    head_dim: int = bounded(32, ge=1)
+    intermediate_size: int = bounded(384, ge=1)
+    max_position_embeddings: int = bounded(512, ge=2)
+    rope_theta: float = bounded(10000.0, gt=0)
+    num_experts: int = bounded(0, ge=0)  # 0: dense
+    num_experts_per_tok: int = bounded(2, ge=1)
+    moe_intermediate_size: int = bounded(128, ge=1)
 
 
 @dataclass

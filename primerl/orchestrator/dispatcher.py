@@ -19,6 +19,7 @@ went away (`with_cancellation` on its generate route), so the server stops spend
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,8 @@ class Dispatcher:
             return  # the cancellation is reported, not propagated: this task is ours alone
         self.groups.pop(group_id)
         group = FinishedGroup(group_id, str(getattr(task, "key", group_id)), version)
-        for entries, last_version in per_rollout:
+        for entries, last_version, seconds in per_rollout:
+            group.seconds.append(seconds)
             usable = [e for e in entries if isinstance(e, Rollout)]
             group.rollouts += [FinishedRollout(r, last_version) for r in usable]
             group.failures += [e.reason for e in entries if isinstance(e, RolloutFailure)]
@@ -120,7 +122,8 @@ class Dispatcher:
         self.counts.failed += group.failed_rollouts
         self._emit(group)
 
-    async def _run_rollout(self, task: Any) -> tuple[list[Rollout | RolloutFailure], int]:
+    async def _run_rollout(self, task: Any) -> tuple[list[Rollout | RolloutFailure], int, float]:
+        started = time.perf_counter()
         try:
             entries = await asyncio.wait_for(self.runner.run(task), self.rollout_timeout_s)
         except TimeoutError:
@@ -131,7 +134,7 @@ class Dispatcher:
             entries = [RolloutFailure(f"rollout raised {type(err).__name__}: {str(err)[:300]}")]
         if not entries:
             entries = [RolloutFailure("the episode produced no trace")]
-        return entries, self.policy.version
+        return entries, self.policy.version, time.perf_counter() - started
 
     def _emit(self, item: FinishedGroup | CancelledGroup) -> None:
         self._wake.set()

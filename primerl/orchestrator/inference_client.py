@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
@@ -55,7 +56,8 @@ class InferenceClient:
         deadline, delay = time.monotonic() + timeout_s, 0.5
         while not await self.healthy():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"inference server {self.base_url} not healthy after {timeout_s:.0f}s")
+                raise RunError(f"inference server {self.base_url} not healthy after {timeout_s:.0f}s "
+                               "(inference.startup_timeout_s)")  # fmt: skip
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 

@@ -11,18 +11,20 @@ Pacing (`may_admit`). With policy v served, batches up to v + async_level may be
 group while the rollouts in flight plus the samples buffered leave room in the batches still cuttable:
 `inflight + buffered < (min(v + async_level + 1, max_steps) - next_step) * batch_size`. So the orchestrator never runs
 more than async_level batches (plus less than one group) ahead, and with async_level = 0 a group is admitted only for
-the batch of the policy that generates it (an overshoot is dropped at the next cut, counted). Batch n is cut as soon as `batch_size` fresh-enough samples are buffered and policy
-n - async_level is served. After each cut, in-flight groups that can no longer be trained (dispatched under a version
+the batch of the policy that generates it (an overshoot is dropped at the next cut, counted). Batch n is cut as soon as
+`batch_size` fresh-enough samples are buffered and policy n - async_level is served. After each cut, in-flight groups that can no longer be trained (dispatched under a version
 older than next_step - max_off_policy_steps) are cancelled. With `drain_per_step` (lock-step, as before continuous
 dispatch) one batch of groups is admitted at a time, and it is cut when every one of them has finished.
 
 Failures are data: a failed rollout is counted; a group whose every rollout failed asks the watcher to check the
-server; `MAX_FAILED_STREAK` failed rollouts in a row with no success stop the run with the logged reasons.
+server; `max_failed_streak` failed rollouts in a row with no success, the server up, stop the run with the logged
+reasons.
 """
 
 import asyncio
 import collections
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -37,9 +39,11 @@ from primerl.orchestrator.sink import Cut, Sink
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.types import CancelledGroup, FinishedGroup, Policy, RolloutRunner
 from primerl.orchestrator.writer import BatchWriter
+from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 
 log = get_logger("orchestrator")
+API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 
 class Orchestrator:
@@ -48,23 +52,27 @@ class Orchestrator:
 
     def __init__(self, cfg: OrchestratorConfig, max_steps: int, source: TaskSource, runner: RolloutRunner,
                  writer: BatchWriter, policy: Policy, start_step: int = 0, serving: Callable[[], bool] = lambda: True,
-                 on_failed_group: Callable[[], None] = lambda: None,
-                 idle: IdleSampler | None = None):  # fmt: skip
+                 on_failed_group: Callable[[], None] = lambda: None, recoveries: Callable[[], int] = lambda: 0,
+                 weight_load_s: Callable[[], float] = lambda: 0.0, idle: IdleSampler | None = None):  # fmt: skip
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
-        self.serving, self.on_failed_group, self.idle = serving, on_failed_group, idle
+        # from the watcher, when wired: is the server up, check it, its recoveries and seconds paused for loads so far
+        self.serving, self.on_failed_group, self.recoveries = serving, on_failed_group, recoveries
+        self.weight_load_s, self.idle = weight_load_s, idle
         self.sink = Sink(cfg.batch_size, cfg.off_policy_bound)
         self.dispatcher = Dispatcher(source, runner, policy, cfg.group_size, cfg.max_inflight, cfg.rollout_timeout_s,
                                      self._deliver, self.may_admit)  # fmt: skip
-        self.max_failed_streak = 5 * cfg.batch_size + cfg.max_inflight  # a dead server fails at most what is in flight
+        # an environment that fails every rollout for 5 batches' worth stops the run; a server that dies can fail what
+        # is in flight and its replacements before the watcher notices (2 x max_inflight), and resets the count
+        self.max_failed_streak = 5 * cfg.batch_size + 2 * cfg.max_inflight
         self.loop_lag = LoopLag()
-        self.weight_load_s = lambda: 0.0  # cumulative seconds paused for weight loads (the watcher's, when wired)
         self._changed = asyncio.Event()
         self._round_start = 0  # drain_per_step: rollouts dispatched before the current round
         self._failed_streak = 0
-        self._error: Exception | None = None  # found in a delivery callback, raised by the cut loop
+        self._recoveries_seen = 0
         self._error: Exception | None = None  # found in a delivery callback, raised by the cut loop
         self._failure_reasons: collections.Counter[str] = collections.Counter()
+        self._rollout_seconds: list[float] = []  # rollouts finished since the previous cut
         self._counts_at_cut = (0, 0, 0)  # ok, failed, cancelled at the previous cut
         self._last_cut = time.perf_counter()
         self._blocked_since: float | None = None  # when the cut became ready but waited for a newer policy
@@ -106,7 +114,7 @@ class Orchestrator:
                 if dispatching.done() and not self.dispatcher.groups and self.step < self.max_steps:
                     dispatching.result()  # re-raises a dispatcher error
                     if self.sink.buffered < self.cfg.batch_size and self.source.exhausted:
-                        raise RuntimeError(f"the task stream ran out at step {self.step} of {self.max_steps}")
+                        raise RunError(f"the task stream ran out at step {self.step} of {self.max_steps}")
         finally:
             lag.cancel()
             await self.dispatcher.stop("the run has all its batches" if self.step >= self.max_steps else "stopping")
@@ -126,14 +134,19 @@ class Orchestrator:
             log.debug("group %d (policy v%d) cancelled: %s", item.group_id, item.version, item.reason)
             return
         self._failure_reasons.update(item.failures)
+        self._rollout_seconds += item.seconds
         if item.ok_rollouts:
             self._failed_streak = 0
             self.sink.add(item)
             return
-        self._failed_streak += item.failed_rollouts
         self.on_failed_group()
+        if not self.serving():
+            return  # the server is down: its failures say nothing about the environment
+        if self.recoveries() != self._recoveries_seen:
+            self._recoveries_seen, self._failed_streak = self.recoveries(), 0
+        self._failed_streak += item.failed_rollouts
         if self._failed_streak >= self.max_failed_streak and self._error is None:
-            self._error = RuntimeError(f"{self._failed_streak} rollouts in a row failed; the reasons are logged "
+            self._error = RunError(f"{self._failed_streak} rollouts in a row failed; the reasons are logged "
                                        "above (environment, reward function or server)")  # fmt: skip
 
     def _try_cut(self) -> Cut | None:
@@ -153,7 +166,8 @@ class Orchestrator:
         now = time.perf_counter()
         stats = self._stats(cut, now)
         self.step += 1  # before the write's await: the dispatcher must never weigh admissions against a stale step
-        await asyncio.to_thread(self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples)
+        with writing(f"batch of step {cut.step}", "the trainer never sees a partial batch"):
+            await asyncio.to_thread(self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples)
         cancelled = self.dispatcher.cancel_older_than(self.step - self.cfg.off_policy_bound,
                                                       f"too stale for step {self.step}")  # fmt: skip
         if cancelled:
@@ -198,6 +212,11 @@ class Orchestrator:
             M.TOKENS_PER_S: sum(sum(s.sampled_mask) for s in samples) / max(batch_s, 1e-9),
             M.SEQ_LEN_MEAN: statistics.fmean(len(s.token_ids) for s in samples),
         }
+        if self._rollout_seconds:
+            seconds, self._rollout_seconds = sorted(self._rollout_seconds), []
+            stats[M.ROLLOUT_MEDIAN_S] = statistics.median(seconds)
+            stats[M.ROLLOUT_P90_S] = seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))]
+            stats[M.ROLLOUT_MAX_S] = seconds[-1]
         if self.idle is not None and (idle := self.idle.take()) is not None:
             stats[M.INFERENCE_IDLE] = idle
         reward_fns = sorted({name for r in rollouts for name in r.rewards})
@@ -209,47 +228,57 @@ class Orchestrator:
         return stats
 
 
-async def run_orchestrator(cfg: RunConfig) -> None:
-    """The real thing: a verifiers env through the train client, a vLLM server, the run directory."""
-    import os
-
+def env_runner(cfg: RunConfig, env, model_path: str):
+    """The rollout runner of the run's env against its inference server: verifiers' train client (token ids, sampled
+    mask, logprobs), tokenizing locally with the start model's tokenizer."""
     import verifiers.v1 as vf
-    from transformers import AutoTokenizer
 
-    from primerl.envs.verifiers_env import EnvRunner, load_env
-    from primerl.model.start import initial_model_path
-    from primerl.orchestrator.inference_client import InferenceClient
-    from primerl.orchestrator.watcher import Watcher
+    from primerl.envs.verifiers_env import EnvRunner
     from primerl.transport.weights import SERVED_MODEL_NAME
 
     orch, inf = cfg.orchestrator, cfg.inference
+    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")  # verifiers reads the key from a variable
+    ctx = vf.ModelContext(
+        client=vf.TrainClientConfig(
+            base_url=f"http://{inf.host}:{inf.port}/v1", api_key_var=API_KEY_VAR, renderer_model_name=model_path
+        ),
+        model=SERVED_MODEL_NAME,
+        sampling=vf.SamplingConfig(temperature=orch.temperature, max_tokens=orch.max_tokens, **orch.sampling_args),
+    )
+    return EnvRunner(env, ctx)
+
+
+async def run_orchestrator(cfg: RunConfig) -> None:
+    """The real thing: a verifiers env through the train client, a vLLM server, the run directory."""
+    from transformers import AutoTokenizer
+
+    from primerl.envs.verifiers_env import load_env
+    from primerl.model.start import initial_model_path
+    from primerl.orchestrator.inference_client import InferenceClient
+    from primerl.orchestrator.watcher import Watcher
+
+    orch, inf = cfg.orchestrator, cfg.inference
     run_dir = Path(cfg.output_dir)
-    base_url = f"http://{inf.host}:{inf.port}"
     model_path = initial_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     env = load_env(cfg.env)
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
-    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")  # verifiers reads the key from a variable
-    ctx = vf.ModelContext(
-        client=vf.TrainClientConfig(base_url=f"{base_url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=model_path),
-        model=SERVED_MODEL_NAME,
-        sampling=vf.SamplingConfig(temperature=orch.temperature, max_tokens=orch.max_tokens),
-    )
+    runner = env_runner(cfg, env, model_path)
     writer = BatchWriter(run_dir, cfg.trainer.seq_len, cfg.trainer.micro_batch_size, tokenizer.pad_token_id)
     start, position = writer.resume_point()
     if start:
         log.info("resuming at step %d, task %d", start, position)
-    async with InferenceClient(base_url, inf.api_key) as client, env.serving():
+    async with InferenceClient(f"http://{inf.host}:{inf.port}", inf.api_key) as client, env.serving():
         await client.wait_healthy(inf.startup_timeout_s)
         policy = Policy(await client.policy_version())
         watcher = Watcher(run_dir, client, policy, orch.weight_poll_s, inf.startup_timeout_s)
         idle = IdleSampler(client.running_requests)
         orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(env.taskset, position),
-                                    EnvRunner(env, ctx), writer, policy, start, serving=lambda: watcher.serving,
-                                    on_failed_group=watcher.check_health, idle=idle)  # fmt: skip
-        orchestrator.weight_load_s = lambda: watcher.load_s
+                                    runner, writer, policy, start, serving=lambda: watcher.serving,
+                                    on_failed_group=watcher.check_health, recoveries=lambda: watcher.recoveries,
+                                    weight_load_s=lambda: watcher.load_s, idle=idle)  # fmt: skip
         watcher.on_change = orchestrator.notify
         await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
         helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]
@@ -266,6 +295,3 @@ async def run_orchestrator(cfg: RunConfig) -> None:
             for task in helpers:
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
-
-
-API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"

@@ -40,6 +40,7 @@ class FinishedGroup:
     failures: list[str] = field(default_factory=list)  # one reason per failed trace
     ok_rollouts: int = 0  # rollouts (episodes) with at least one usable trace
     failed_rollouts: int = 0  # rollouts with none
+    seconds: list[float] = field(default_factory=list)  # each rollout's wall time, start to finish
 
 
 @dataclass

@@ -2,17 +2,20 @@
 
 from dataclasses import dataclass
 
+from primerl.config.bounds import bounded
+
 
 @dataclass
 class SftConfig:
     enabled: bool = True
-    steps: int = 1500
-    batch_size: int = 32  # sequences per optimizer step, across all ranks
-    seq_len: int = 256  # packed row length
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    num_eval: int = 64
+    steps: int = bounded(1500, ge=1)
+    batch_size: int = bounded(32, ge=1)  # sequences per optimizer step, across all ranks
+    seq_len: int = bounded(256, ge=2)  # packed row length
+    lr: float = bounded(3e-3, gt=0)
+    warmup_steps: int = bounded(50, ge=0)
+    num_eval: int = bounded(64, ge=1)
     # Fraction of demonstrations written in capitals (the reward is case-sensitive): a sloppy teacher, so the
     # warm-start has a habit for RL to unlearn (experiments/reverse_text). 0: every demonstration is correct.
-    uppercase_fraction: float = 0.0
-    save_every: int = 0  # also keep the checkpoint every N steps (<checkpoint>-step<N>); 0: only the final one
+    uppercase_fraction: float = bounded(0.0, ge=0, lt=1)
+    # also keep the checkpoint every N steps (<checkpoint>-step<N>); 0: only the final one
+    save_every: int = bounded(0, ge=0)

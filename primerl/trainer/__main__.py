@@ -11,8 +11,8 @@ the orchestrator wrote; with checkpoint_every=1 (the default) no step is trained
 steps since the last checkpoint are replayed from their stored batches (their first metrics rows are kept).
 """
 
+import math
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +27,6 @@ from primerl.config.validate import resolve_dp_shard
 from primerl.metrics import append_metrics, read_metrics
 from primerl.model.start import initial_model_path
 from primerl.trainer.checkpoint import (
-    CorruptCheckpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -48,6 +47,7 @@ from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.transport.atomic import is_stable
 from primerl.transport.batches import read_rollout_batch
 from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
+from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 
 log = get_logger("trainer")
@@ -112,6 +112,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     if info.is_main:
         source = checkpoint_path(run_dir, start) if start else base
         log.info(f"starting at step {start} from {source} on {info.world_size} rank(s)")
+    nonfinite = 0  # steps in a row whose update was skipped
     for step in range(start, cfg.trainer.max_steps):
         path, waited = wait_for_batch(run_dir, step)
         t0 = time.perf_counter()
@@ -134,10 +135,20 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             totals["entropy"] += parts.entropy_sum
             totals["tokens"] += parts.tokens
         scale_expert_grads(expert_params, info.world_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)  # global: equal on all ranks
         totals = {k: all_reduce_sum(v, info.device) for k, v in totals.items()}
+        applied = math.isfinite(float(grad_norm)) and math.isfinite(totals["loss"])
+        if applied:
+            optimizer.step()
+            nonfinite = 0
+        else:  # the weights stay as they were; the step is published unchanged so that the run goes on
+            nonfinite += 1
+            log.warning(f"step {step}: loss {totals['loss']} / grad norm {float(grad_norm)} not finite: update "
+                        f"skipped ({nonfinite} in a row; trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps})")  # fmt: skip
+            if nonfinite >= cfg.trainer.max_nonfinite_steps:
+                raise RunError(f"{nonfinite} steps in a row had a non-finite loss or gradient norm (last: step "
+                               f"{step}); the run stops at its last finite checkpoint")  # fmt: skip
+        optimizer.zero_grad(set_to_none=True)
         step_s = time.perf_counter() - t0
         tokens = max(totals["tokens"], 1.0)
         metrics = {
@@ -150,11 +161,14 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             "time/wait_batch_s": waited,
             "throughput/tokens_per_s": sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
             "batch/min_policy_version": float(batch.min_policy_version),
+            "update_skipped": float(not applied),
         }
         t1 = time.perf_counter()
-        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.trainer.max_steps:
-            save_checkpoint(model, optimizer, run_dir, step + 1, metrics, cfg.trainer.keep_checkpoints, info.is_main)
-        publish(model, base, run_dir, step + 1, info)
+        with writing(f"checkpoint and weights of step {step + 1}", "nothing of it is marked STABLE"):
+            if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.trainer.max_steps:
+                save_checkpoint(model, optimizer, run_dir, step + 1, metrics, cfg.trainer.keep_checkpoints,
+                                info.is_main)  # fmt: skip
+            publish(model, base, run_dir, step + 1, info)
         metrics["time/save_s"] = time.perf_counter() - t1
         if info.is_main:
             if step not in logged:
@@ -169,9 +183,6 @@ def main(dict_cfg: DictConfig) -> None:
     info = init_distributed(cfg.parallelism.backend)
     try:
         train(cfg, info)
-    except CorruptCheckpoint as err:
-        log.error(str(err))
-        sys.exit(1)
     finally:
         close_distributed()
 

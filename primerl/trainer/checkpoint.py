@@ -24,11 +24,12 @@ from torch.distributed.tensor import DTensor
 
 from primerl.transport.atomic import STABLE_MARKER, latest_stable
 from primerl.transport.run_dir import checkpoint_path, checkpoints_root
+from primerl.utils.errors import RunError
 
 STATE_FILE = "trainer_state.json"
 
 
-class CorruptCheckpoint(RuntimeError):
+class CorruptCheckpoint(RunError):
     def __init__(self, path: Path, why: str):
         super().__init__(
             f"checkpoint {path} is corrupt ({why}); move it aside to resume from the one before, or start a new run"
@@ -72,18 +73,23 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ru
         staging.mkdir(parents=True)
     dist.barrier()
     flat, _, _ = _flat_state(model, optimizer)
-    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
-    dist.barrier()
-    if is_main:
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
-        state = {"step": step, "world_size": dist.get_world_size(), "metrics": metrics, "files": files}
-        (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
-        (staging / STABLE_MARKER).touch()
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-        for old in sorted(target.parent.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
+        dist.barrier()
+        if is_main:
+            files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
+            state = {"step": step, "world_size": dist.get_world_size(), "metrics": metrics, "files": files}
+            (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
+            (staging / STABLE_MARKER).touch()
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+            for old in sorted(target.parent.glob("step_*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if is_main:  # a failed write (full disk) leaves no staging directory behind
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     dist.barrier()
     return target
 

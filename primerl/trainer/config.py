@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from primerl.config.bounds import bounded
+
 
 @dataclass
 class ParallelismConfig:
@@ -9,17 +11,17 @@ class ParallelismConfig:
 
     name: str = "fsdp2"
     dp_shard: int = -1
-    ep: int = 1
-    cp: int = 1
+    ep: int = bounded(1, ge=1)
+    cp: int = bounded(1, ge=1)
     backend: str = "auto"  # auto: nccl with CUDA, gloo on CPU
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-5
-    weight_decay: float = 0.0
+    lr: float = bounded(3e-5, gt=0)
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, gt=0)
 
 
 @dataclass
@@ -27,16 +29,18 @@ class LossConfig:
     """IS-corrected policy gradient: tokens whose trainer/inference ratio leaves [mask_ratio_low, mask_ratio_high]
     get no loss (formula in primerl/trainer/loss.py)."""
 
-    mask_ratio_low: float = 0.125
-    mask_ratio_high: float = 8.0
+    mask_ratio_low: float = bounded(0.125, ge=0, le=1)
+    mask_ratio_high: float = bounded(8.0, ge=1)
 
 
 @dataclass
 class TrainerConfig:
-    seq_len: int = 512
-    micro_batch_size: int = 8  # packed rows per forward/backward pass
-    max_steps: int = 20
-    checkpoint_every: int = 1  # steps between model+optimizer checkpoints (resume point after a crash)
-    keep_checkpoints: int = 2
+    seq_len: int = bounded(512, ge=2)
+    micro_batch_size: int = bounded(8, ge=1)  # packed rows per forward/backward pass
+    max_steps: int = bounded(20, ge=1)
+    checkpoint_every: int = bounded(1, ge=1)  # steps between model+optimizer checkpoints (resume point after a crash)
+    keep_checkpoints: int = bounded(2, ge=1)
+    # steps in a row whose loss or grad norm is not finite (each is skipped) that stop the run
+    max_nonfinite_steps: int = bounded(3, ge=1)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -14,8 +14,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from primerl.utils.process import free_port
-
 T = TypeVar("T")
 
 
@@ -32,9 +30,11 @@ class DistInfo:
 
 
 def init_distributed(backend: str = "auto") -> DistInfo:
-    if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # plain `python -m ...`: a world of one, rendezvous in memory. (A TCP store would listen on every interface:
+    # torch's TCPStore has no bind address.)
+    alone = "RANK" not in os.environ
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -43,7 +43,10 @@ def init_distributed(backend: str = "auto") -> DistInfo:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        if alone:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

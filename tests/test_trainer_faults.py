@@ -1,0 +1,90 @@
+"""The trainer process on bad input and a failing disk: non-finite steps are skipped then stop the run, a corrupt batch
+file is refused, a failed checkpoint write leaves nothing marked STABLE. Each ends with one line and exit 1."""
+
+import math
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from primerl.config.cli import check
+from primerl.metrics import read_metrics
+from primerl.model.resolve import base_model_path
+from primerl.orchestrator.batch import build_batch
+from primerl.trainer.checkpoint import latest_checkpoint
+from primerl.transport.batches import write_rollout_batch
+from primerl.transport.run_dir import checkpoints_root, rollout_path, weights_path, weights_root
+from tests.conftest import ROOT, model_samples
+
+pytestmark = pytest.mark.slow
+
+
+def _args(cache_dir, run, steps: int) -> list[str]:
+    return ["+experiment=reverse_text", "sft.enabled=false", f"trainer.max_steps={steps}", f"cache_dir={cache_dir}",
+            f"output_dir={run}", f"hydra.run.dir={run}/logs"]  # fmt: skip
+
+
+def _write_batches(cache_dir, run, advantages: list[float | None]) -> None:
+    """Batch n from the model's own samples; advantage None: mixed signs, NaN: a batch whose loss is NaN."""
+    model = base_model_path(check(_args(cache_dir, run, len(advantages))))
+    for step, advantage in enumerate(advantages):
+        samples = model_samples(model, n=8, advantage=advantage)
+        write_rollout_batch(run, build_batch(samples, step, seq_len=128, micro_batch_size=4, pad_id=0))
+
+
+def _trainer(args: list[str], file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    def limit():  # a write past the limit fails with EFBIG, as one past a full disk fails with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run([sys.executable, "-m", "primerl.trainer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, preexec_fn=limit if file_size_limit else None)  # fmt: skip
+
+
+def _one_line_error(result, fragment: str) -> None:
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and fragment in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, tmp_path):
+    nan = math.nan
+    _write_batches(cache_dir, tmp_path, [None, nan, None, nan, nan, nan])
+    result = _trainer(_args(cache_dir, tmp_path, 6))
+    _one_line_error(result, "3 steps in a row had a non-finite loss or gradient norm (last: step 5)")
+    rows = read_metrics(tmp_path, "trainer")
+    assert [r["update_skipped"] for r in rows] == [0, 1, 0, 1, 1]  # step 5 stopped the run before its row
+    assert "step 1: loss nan" in result.stderr and "update skipped (1 in a row" in result.stderr
+    assert math.isfinite(rows[2]["loss"]) and rows[2]["grad_norm"] > 0  # a finite step between them trained
+    # the trainer keeps the newest 3 versions: v3 (after finite step 2), v4 and v5 (after NaN steps 3 and 4)
+    weights = {v: load_file(weights_path(tmp_path, v) / "model.safetensors") for v in (3, 4, 5)}
+    for v in (4, 5):  # a NaN step changed nothing
+        assert all(torch.equal(weights[v][k], weights[3][k]) for k in weights[3])
+    assert all(torch.isfinite(t).all() for t in weights[3].values())
+    assert latest_checkpoint(tmp_path) == 5 and not weights_path(tmp_path, 6).exists()
+
+
+def test_a_corrupt_batch_is_refused(cache_dir, tmp_path):
+    _write_batches(cache_dir, tmp_path, [None])
+    path = rollout_path(tmp_path, 0)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte in the last tensor
+    path.write_bytes(bytes(data))
+    result = _trainer(_args(cache_dir, tmp_path, 1))
+    _one_line_error(result, "rollout batch")
+    assert "is corrupt (its data does not match its recorded sha256)" in result.stderr
+    assert read_metrics(tmp_path, "trainer") == [] and latest_checkpoint(tmp_path) is None
+
+
+def test_a_failed_write_leaves_nothing_stable(cache_dir, tmp_path):
+    _write_batches(cache_dir, tmp_path, [None])
+    result = _trainer(_args(cache_dir, tmp_path, 1), file_size_limit=256 * 1024)  # the checkpoint is ~10 MB
+    _one_line_error(result, "could not write the checkpoint and weights of step 1")
+    assert "nothing of it is marked STABLE" in result.stderr
+    for root in (checkpoints_root(tmp_path), weights_root(tmp_path)):  # no STABLE directory, no leftover staging
+        assert not root.exists() or list(root.iterdir()) == [], list(root.iterdir())
