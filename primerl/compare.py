@@ -17,7 +17,8 @@ from mlflow.tracking import MlflowClient
 from primerl.plot import plot_curves
 
 REWARD = "orchestrator/reward/mean"
-FINAL_METRICS = (REWARD, "trainer/loss", "trainer/mismatch_kl", "orchestrator/rollouts/failed", "sft/reward_after")
+FINAL_METRICS = (REWARD, "trainer/loss", "trainer/mismatch_kl", "orchestrator/rollouts/failed")
+RESULT_PARAMS = ("sft.result.reward_after",)
 NOISY_PARAMS = ("output_dir", "hydra", "cache_dir")
 
 
@@ -44,24 +45,36 @@ def differing_params(runs: list) -> list[str]:
 
 
 def table(runs: list, keys: list[str]) -> str:
-    header = ["run", "status", *keys, *(m.split("/", 1)[-1] for m in FINAL_METRICS)]
+    header = ["run", "status", *keys, *(m.split("/", 1)[-1] for m in FINAL_METRICS),
+              *(p.removeprefix("sft.result.") + " (sft)" for p in RESULT_PARAMS)]  # fmt: skip
     rows = [header]
     for r in runs:
         metrics = [f"{r.data.metrics[m]:.4g}" if m in r.data.metrics else "-" for m in FINAL_METRICS]
         rows.append([r.info.run_name or r.info.run_id[:8], r.info.status, *(r.data.params.get(k, "-") for k in keys),
-                     *metrics])  # fmt: skip
+                     *metrics, *(r.data.params.get(p, "-") for p in RESULT_PARAMS)])  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primerl.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite store in --store-dir)")
-    parser.add_argument("--store-dir", default="outputs", help="where the embedded store lives (default: outputs)")
-    parser.add_argument("--experiment", help="experiment name (default: all)")
+    parser = argparse.ArgumentParser(prog="python -m primerl.compare", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="examples:\n" + __doc__.split("\n\n")[2])  # fmt: skip
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: the sqlite store in --store-dir)")
+    parser.add_argument(
+        "--store-dir", default="outputs", help="where the embedded store mlflow.db lives (default: %(default)s)"
+    )
+    parser.add_argument("--experiment", help="experiment name (default: every experiment)")
     parser.add_argument("--sweep", help="a sweep's parent run id or its sweep directory")
-    parser.add_argument("--filter", default="", help="an MLflow search filter, e.g. \"params.seed = '1'\"")
-    parser.add_argument("--plot", default="compare_rewards.png", help="PNG of reward curves ('' for none)")
+    parser.add_argument(
+        "--filter", default="", help="an MLflow search filter, e.g. \"params.seed = '1'\" (default: none)"
+    )
+    parser.add_argument(
+        "--plot",
+        default="compare_rewards.png",
+        help="where the PNG of reward curves is written, relative to the current directory; '' for none "
+        "(default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     uri = args.tracking_uri or default_uri(args.store_dir)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():

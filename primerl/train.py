@@ -32,6 +32,10 @@ def main(dict_cfg: DictConfig) -> None:
         from primerl.envs.verifiers_env import load_env
 
         load_env(cfg.env)  # an unknown env id or bad env args fail here, before any process starts
+        if cfg.sft.enabled and cfg.sft.data:
+            from primerl.sft.data import load_conversations
+
+            load_conversations(cfg.sft.data)  # so does a bad dataset row
         resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
         if cfg.ledger.enabled:
             from primerl.ledger.mlflow_ledger import Ledger
@@ -41,6 +45,10 @@ def main(dict_cfg: DictConfig) -> None:
                                  sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
                                  job_num=hydra_cfg.job.num if multirun else None)  # fmt: skip
             log.info(f"ledger run {ledger.run_id} in {ledger.client.tracking_uri}")
+            if ledger.url():
+                log.info(f"ledger run page: {ledger.url()}")
+            if cfg.ledger.system_metrics_s > 0:
+                ledger.start_system_metrics(cfg.ledger.system_metrics_s)
         run_topology(cfg, overrides, make_launcher(cfg), ledger)
         status = "FINISHED"
     except ChildFailed as err:

@@ -37,11 +37,24 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
     assert run.data.params["seed"] == "7" and run.data.params["model.arch.hidden_size"] == "128"
     assert run.data.tags["seed"] == "7" and run.data.tags["primerl.kind"] == "train"
     assert client.get_experiment(run.info.experiment_id).name == "ledger_test"
+    # MLflow's own fields: Source, Created by, Git commit, Description
+    tags = run.data.tags
+    assert tags["mlflow.source.name"].startswith("python -m primerl.train") and tags["mlflow.user"]
+    assert tags["mlflow.source.git.commit"] == tags["git.commit"] and len(tags["git.commit"]) == 40
+    assert tags["mlflow.note.content"].startswith("ledger_test: RL on env reverse-text")
+    resolved_yaml = client.download_artifacts(ledger.run_id, "config/resolved.yaml", str(tmp_path))
+    composed_yaml = client.download_artifacts(ledger.run_id, "config/composed.yaml", str(tmp_path))
+    assert "${" not in open(resolved_yaml).read() and "${" in open(composed_yaml).read()
+    ledger.start_system_metrics(0.2)  # MLflow's monitor, from this process
+    time.sleep(1.5)
 
     append_metrics(run_dir, "trainer", 0, {"loss": 0.5})
     append_metrics(run_dir, "trainer", 1, {"loss": 0.25, "bad": float("nan")})
     MetricsFollower(ledger).poll()
     ledger.finish("FAILED")  # e.g. the trainer was killed
+    system = client.get_metric_history(ledger.run_id, "system/cpu_utilization_percentage")
+    assert system and all(0 <= m.value <= 100 for m in system)
+    assert client.get_metric_history(ledger.run_id, "system/system_memory_usage_megabytes")
 
     resumed = Ledger.open(cfg, resolved, run_dir)
     assert resumed.run_id == ledger.run_id
@@ -51,6 +64,54 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
     history = client.get_metric_history(ledger.run_id, "trainer/loss")
     assert [(m.step, m.value) for m in history] == [(0, 0.5), (1, 0.25), (2, 0.125)]
     assert client.get_metric_history(ledger.run_id, "trainer/bad") == []  # NaN is not a metric
+
+
+def _sample_row(step: int, turns: int) -> dict:
+    """A samples.jsonl row as the sink writes it: a multi-turn episode whose first reply called a tool."""
+    t0 = 1_700_000_000.0 + step
+    messages = [{"role": "system", "content": "Find it.", "end": t0}, {"role": "user", "content": "go", "end": t0}]
+    for turn in range(turns):
+        start = t0 + 1 + 2 * turn
+        reply = {"role": "assistant", "content": f"answer {turn}", "start": start, "end": start + 1,
+                 "finish_reason": "stop"}  # fmt: skip
+        if turn == 0:
+            reply |= {"tool_calls": [{"name": "lookup", "arguments": '{"key": "x"}'}], "finish_reason": "tool_calls"}
+            messages += [reply, {"role": "tool", "content": "x=3", "end": start + 1.5, "tool_call_id": "c0"}]
+        else:
+            messages += [reply, {"role": "user", "content": "again", "end": start + 1.5}]
+    return {"step": step, "task": f"t{step}", "prompt": "system: Find it.\nuser: go", "completion": "answer",
+            "reward": 0.5, "rewards": {}, "metrics": {"turns": float(turns)}, "policy_versions": [step, step + 1],
+            "messages": messages}  # fmt: skip
+
+
+def test_sampled_rollouts_become_traces_exactly_once(tmp_path):
+    cfg, resolved = _cfg(tmp_path, "name=trace_test")
+    run_dir = tmp_path / "run"
+    ledger = Ledger.open(cfg, resolved, run_dir)
+    samples = run_dir / "rollouts" / "samples.jsonl"
+    samples.parent.mkdir(parents=True)
+    rows = [_sample_row(step, turns) for step, turns in ((0, 3), (1, 1), (2, 2))]
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + '{"torn')
+    MetricsFollower(ledger, sample_every=2).poll()  # step 0 only: step 1 is not sampled, the torn line waits
+    with samples.open("r+") as f:  # the writer finishes its line... as a restarted writer would: on a fresh one
+        f.seek(0, 2)
+        f.write("\n" + json.dumps(rows[2]) + "\n")
+    MetricsFollower(ledger, sample_every=2).poll()  # a resumed driver: step 2 once, step 0 not again
+    client = ledger.client
+    traces = client.search_traces(
+        experiment_ids=[ledger.experiment_id], run_id=ledger.run_id, order_by=["timestamp_ms ASC"]
+    )
+    assert [t.info.tags["primerl.step"] for t in traces] == ["0", "2"]
+    spans = {s.name: s for s in traces[0].data.spans}
+    root = spans["rollout"]
+    assert root.attributes["reward"] == 0.5 and root.attributes["policy_version.last"] == 1
+    assert root.attributes["metric.turns"] == 3.0 and root.inputs["task"] == "t0"
+    assert sorted(spans) == ["rollout", "tool c0", "turn 1", "turn 2", "turn 3"]
+    assert spans["turn 1"].span_type == "LLM" and spans["tool c0"].span_type == "TOOL"
+    assert spans["turn 1"].outputs["tool_calls"][0]["name"] == "lookup" and spans["tool c0"].outputs["content"] == "x=3"
+    assert spans["turn 2"].inputs["messages"] == [{"role": "tool", "content": "x=3"}]
+    assert spans["turn 1"].start_time_ns == int(1_700_000_001.0 * 1e9)  # verifiers' recorded times, not now
+    assert spans["turn 1"].end_time_ns == int(1_700_000_002.0 * 1e9) <= spans["tool c0"].start_time_ns
 
 
 def test_sweep_jobs_are_children_of_one_parent(tmp_path):
@@ -111,7 +172,8 @@ def test_real_mlflow_server_on_loopback(tmp_path):
         client = MlflowClient(f"http://127.0.0.1:{port}")
         run = client.get_run(ledger.run_id)
         assert run.data.metrics["orchestrator/reward/mean"] == 0.25 and run.info.status == "FINISHED"
-        assert [a.path for a in client.list_artifacts(ledger.run_id)] == ["note.txt"]
+        assert [a.path for a in client.list_artifacts(ledger.run_id)] == ["config", "note.txt"]
+        assert ledger.url() == f"http://127.0.0.1:{port}/#/experiments/{run.info.experiment_id}/runs/{ledger.run_id}"
         assert json.loads((tmp_path / "run" / "ledger.json").read_text())["tracking_uri"].startswith("http://")
     finally:
         server.terminate()

@@ -41,14 +41,14 @@ def _pids_mentioning(text: str) -> list[int]:
     return pids
 
 
-def _train_cmd(run_dir, *overrides, steps=3) -> list[str]:
-    return [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
+def _train_cmd(run_dir, *overrides, steps=3, sft=False) -> list[str]:
+    return [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", *([] if sft else ["sft.enabled=false"]),
             f"trainer.max_steps={steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
             f"hydra.run.dir={run_dir}", f"ledger.store_dir={run_dir.parent / 'ledger'}", *overrides]  # fmt: skip
 
 
-def _train(run_dir, *overrides, steps=3):
-    cmd = _train_cmd(run_dir, f"inference.port={free_port()}", *overrides, steps=steps)
+def _train(run_dir, *overrides, steps=3, sft=False):
+    cmd = _train_cmd(run_dir, f"inference.port={free_port()}", *overrides, steps=steps, sft=sft)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -96,6 +96,13 @@ def _check_ledger(run, trainer_rows):
     assert len(client.get_metric_history(record["run_id"], "orchestrator/reward/mean")) == 3
     artifacts = {a.path for a in client.list_artifacts(record["run_id"])}
     assert {"config", "reward.png", "samples"} <= artifacts
+    resolved = client.download_artifacts(record["run_id"], "config/resolved.yaml", str(run))
+    assert "${" not in open(resolved).read() and tags["mlflow.source.name"] and tags["mlflow.note.content"]
+    assert client.get_metric_history(record["run_id"], "system/cpu_utilization_percentage")  # MLflow's monitor
+    # the sampled rollouts of every ledger.sample_every-th step (5: step 0 here) as traces of this run
+    sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
+    traces = client.search_traces(locations=[record["experiment_id"]], run_id=record["run_id"])
+    assert len(traces) == len([s for s in sampled if s["step"] % 5 == 0]) > 0
     assert (run / "reward.png").stat().st_size > 1000
 
 
@@ -110,10 +117,13 @@ def test_synchronous_run_trains_on_the_current_policy(cache_dir, tmp_path):
 
 def test_multi_turn_environment(cache_dir, tmp_path):
     run = tmp_path / "guess"
-    # through the generic group: any installed verifiers environment by id, no code change
+    # the README's command for any installed verifiers environment by id, SFT left on as the experiment has it:
+    # there are no demonstrations for this env, so RL starts from the base model, decided before anything starts
     result = _train(run, "env=verifiers", "env.id=guess-number", "+env.args.high=16", "orchestrator.max_tokens=8",
-                    steps=1)  # fmt: skip
+                    steps=1, sft=True)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "no SFT warm-start: no demonstrations for env.id=guess-number" in result.stderr
+    assert not (run / "sft").exists()
     (row,) = read_metrics(run, "orchestrator")
     # a multi-turn rollout yields a sample per branch; the env's @vf.metric reaches the metrics; with a single reward
     # function there is no reward/<fn> repeating reward/mean
@@ -121,6 +131,17 @@ def test_multi_turn_environment(cache_dir, tmp_path):
     assert read_rollout_batch(rollout_path(run, 0)).num_samples == 16
     (trainer,) = read_metrics(run, "trainer")
     assert trainer["mismatch_kl"] < 1e-4  # env turns are masked out; only sampled tokens count
+    # each sampled episode is a trace with a span per model call, timed by verifiers
+    from mlflow.tracking import MlflowClient
+
+    record = json.loads((run / "ledger.json").read_text())
+    traces = MlflowClient(record["tracking_uri"]).search_traces(locations=[record["experiment_id"]],
+                                                                 run_id=record["run_id"])  # fmt: skip
+    sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
+    replies = [m for s in sampled for m in s["messages"] if m["role"] == "assistant"]
+    llm_spans = [s for t in traces for s in t.data.spans if s.span_type == "LLM"]
+    assert len(traces) == len(sampled) and len(llm_spans) == len(replies) > len(sampled)
+    assert all(s.start_time_ns < s.end_time_ns for s in llm_spans)
 
 
 @contextlib.contextmanager

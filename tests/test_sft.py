@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from primerl.config.errors import ConfigError
 from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.__main__ import demonstrations, packed_loss_sum
-from primerl.sft.data import IGNORE, chat_example, pack
+from primerl.sft.data import IGNORE, chat_example, conversation_example, load_conversations, pack
 from tests.conftest import run_module
 
 
@@ -24,6 +25,33 @@ def test_chat_example_masks_only_the_answer():
     answer_ids = [i for i, m in zip(ex.input_ids, ex.loss_mask) if m]
     assert tok.decode(answer_ids) == make_texts(0, 1)[0][::-1] + "<|im_end|>"
     assert not any(ex.loss_mask[: ex.loss_mask.index(True)])
+
+
+def test_conversation_example_masks_every_assistant_message():
+    tok = build_tokenizer()
+    messages = [{"role": "system", "content": "Guess."}, {"role": "user", "content": "start"},
+                {"role": "assistant", "content": "8"}, {"role": "user", "content": "higher"},
+                {"role": "assistant", "content": "12"}, {"role": "user", "content": "correct"}]  # fmt: skip
+    ex = conversation_example(tok, messages)
+    assert tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m]) == "8<|im_end|>12<|im_end|>"
+    # the trailing user turn teaches nothing and is left out; the prompt turns are present but unmasked
+    assert "correct" not in tok.decode(ex.input_ids) and "higher" in tok.decode(ex.input_ids)
+    assert chat_example(tok, messages[:2], "8").input_ids == conversation_example(tok, messages[:3]).input_ids
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [("not json", "line 2 is not JSON"), ('{"text": "hi"}', "line 2 has no 'messages' list"),
+     ('{"messages": [{"role": "user"}]}', "line 2: every message needs a string 'role' and 'content'"),
+     ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2 has no assistant message")],
+)  # fmt: skip
+def test_chat_dataset_rows_are_checked(tmp_path, line, why):
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    data = tmp_path / "data.jsonl"
+    data.write_text(f"{good}\n{line}\n")
+    with pytest.raises(ConfigError) as err:
+        load_conversations(str(data))
+    assert err.value.key == "sft.data" and why in err.value.message
 
 
 def test_pack_invariants():
@@ -88,3 +116,26 @@ def test_sft_one_rank_equals_two_ranks(tmp_path):
     assert len(losses[1]) == 4
     torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-4, atol=1e-5)
     assert losses[1][-1] < losses[1][0]
+
+
+@pytest.mark.slow
+def test_sft_from_a_chat_dataset(tmp_path):
+    """A user's JSONL for an env without generated demonstrations: trains; bad input is one line, exit 2."""
+    rows = [{"messages": [{"role": "user", "content": f"Guess a number below {n}."},
+                          {"role": "assistant", "content": str(n // 2)}, {"role": "user", "content": "correct"}]}
+            for n in range(4, 20)]  # fmt: skip
+    data = tmp_path / "guesses.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["+experiment=reverse_text", "env=guess_number", "sft.steps=3", "sft.batch_size=4", "sft.warmup_steps=1",
+            f"cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path}/out", "ledger.enabled=false"]  # fmt: skip
+    result = run_module("primerl.sft", *args, f"sft.data={data}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
+    assert len(metrics["losses"]) == 3 and "reward_after" not in metrics  # no reverse-text scorer for this env
+    assert (tmp_path / "cache" / "sft").is_dir()
+    for bad, why in ((["sft.data=null"], "sft.data: no demonstrations for env.id=guess-number"),
+                     ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
+                     ([f"sft.data={data}x"], "is not a file")):  # fmt: skip
+        result = run_module("primerl.sft", *args, *bad)
+        assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
+        assert len(result.stderr.strip().splitlines()) == 1

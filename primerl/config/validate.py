@@ -65,6 +65,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.path", "required when model.source=path")
     if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
         raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
+    if cfg.sft.data and not Path(cfg.sft.data).expanduser().is_file():
+        raise ConfigError("sft.data", f"{cfg.sft.data} is not a file (a JSONL of chat `messages` is expected)")
     if not _is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
     par = cfg.parallelism

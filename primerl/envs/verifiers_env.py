@@ -14,7 +14,7 @@ from primerl.config.errors import ConfigError
 from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_speed import memoize_default_factory_check
-from primerl.envs.traces import final_reply, prompt_text
+from primerl.envs.traces import final_reply, prompt_text, transcript
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
 # Every other error ends the rollout, which is counted as failed.
@@ -58,6 +58,7 @@ class Rollout:
     completion: str  # the last assistant message
     prompt: str = ""  # the messages before the first assistant message
     metrics: dict[str, float] = field(default_factory=dict)  # the env's @vf.metric values
+    transcript: list[dict] = field(default_factory=list)  # primerl.envs.traces.transcript: messages with timings
 
 
 @dataclass
@@ -95,7 +96,8 @@ def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:
             continue
         scores = {name: r.score for name, r in trace.rewards.items() if r is not None}
         metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None and math.isfinite(v)}
-        out.append(Rollout(float(reward), scores, branches, final_reply(trace), prompt_text(trace), metrics))
+        out.append(Rollout(float(reward), scores, branches, final_reply(trace), prompt_text(trace), metrics,
+                           transcript(trace)))  # fmt: skip
     return out
 
 

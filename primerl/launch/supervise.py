@@ -38,10 +38,15 @@ class Launcher(Protocol):
 
 
 def sft_needed(cfg: RunConfig) -> bool:
-    from primerl.model.start import sft_checkpoint_dir
+    from primerl.model.start import GENERATED_DEMONSTRATIONS, sft_applies, sft_checkpoint_dir
     from primerl.transport.atomic import is_stable
 
     if not cfg.sft.enabled:
+        return False
+    if not sft_applies(cfg):
+        log.warning(f"no SFT warm-start: no demonstrations for env.id={cfg.env.id} (primerl generates them for "
+                    f"{', '.join(GENERATED_DEMONSTRATIONS)}; give yours with sft.data=FILE.jsonl); "
+                    "RL starts from the base model")  # fmt: skip
         return False
     target = sft_checkpoint_dir(cfg)
     if is_stable(target):
@@ -59,7 +64,7 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
     run_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    follower = MetricsFollower(ledger) if ledger else None
+    follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None
     try:
         if sft_needed(cfg):
             # the train run's ledger records the SFT results; the SFT process keeps none of its own

@@ -3,14 +3,20 @@
 - Store: `ledger.tracking_uri`, else an embedded sqlite store `<store_dir>/mlflow.db` (artifacts beside it).
 - Experiment: created once by name; a concurrent creator losing the race re-reads it (facts.md: never rely on
   `set_experiment` from several processes).
-- Run: params = the flattened resolved config; tags = seeds, hardware, versions, git, launcher, SLURM ids.
+- Run: params = the flattened resolved config; tags = seeds, hardware, versions, git, launcher, SLURM ids, and
+  MLflow's own (`mlflow.source.*`, `mlflow.user`, a description in `mlflow.note.content`); artifacts
+  `config/resolved.yaml` (no interpolation left) and `config/composed.yaml` (as Hydra composed it).
   `<run>/ledger.json` keeps the MLflow run id, so a resumed run continues the same MLflow run.
+- System metrics: MLflow's own monitor (`system/...`: CPU, memory, disk, network, GPU where present), sampled in the
+  launching process every `ledger.system_metrics_s`.
 - Sweeps: a parent run per Hydra sweep directory, created once under a file lock; each job is its child.
 """
 
 import fcntl
+import getpass
 import json
 import math
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -20,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from primerl.config.schema import RunConfig
 from primerl.ledger.system_info import system_tags
+from primerl.transport.atomic import atomic_file
 from primerl.transport.run_dir import ledger_record_path
 
 PARENT_FILE = "ledger_parent.json"
@@ -68,11 +75,31 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def description(cfg: RunConfig, kind: str) -> str:
+    """The run's one-paragraph summary in MLflow's Description field."""
+    model = cfg.model.hub_id or cfg.model.path or f"{cfg.model.source.value} (built here)"
+    if kind == "sft":
+        return f"{cfg.name}: SFT warm-start of {model}, {cfg.sft.steps} steps of {cfg.sft.batch_size} on {cfg.env.id}."
+    o = cfg.orchestrator
+    return (f"{cfg.name}: RL on env {cfg.env.id} with model {model}, {cfg.trainer.max_steps} steps of "
+            f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
+            f"async_level {o.async_level}, launcher {cfg.launcher.name}.")  # fmt: skip
+
+
+def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
+    """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
+    return {"mlflow.source.name": f"python -m primerl.{kind} " + " ".join(sys.argv[1:])[:400],
+            "mlflow.source.type": "LOCAL", "mlflow.source.git.commit": git_commit, "mlflow.user": getpass.getuser(),
+            "mlflow.note.content": description(cfg, kind)}  # fmt: skip
+
+
 class Ledger:
-    def __init__(self, client: MlflowClient, run_id: str, run_dir: Path):
+    def __init__(self, client: MlflowClient, run_id: str, run_dir: Path, experiment_id: str = ""):
         self.client = client
         self.run_id = run_id
         self.run_dir = run_dir
+        self.experiment_id = experiment_id
+        self._system_metrics = None
 
     @classmethod
     def open(cls, cfg: RunConfig, resolved: DictConfig, run_dir: Path, kind: str = "train",
@@ -87,16 +114,19 @@ class Ledger:
         if record.exists():
             run_id = json.loads(record.read_text())["run_id"]
             client.update_run(run_id, status="RUNNING")
-            return cls(client, run_id, run_dir)
+            ledger = cls(client, run_id, run_dir, experiment)
+            ledger._log_config(resolved)
+            return ledger
         tags = {"primerl.kind": kind, "primerl.run_dir": str(run_dir), "seed": str(cfg.seed),
                 "model.init_seed": str(cfg.model.init_seed), "launcher": cfg.launcher.name, **system_tags()}  # fmt: skip
+        tags |= standard_tags(cfg, kind, tags["git.commit"])
         if sweep_dir is not None:
             tags["mlflow.parentRunId"] = cls._sweep_parent(client, experiment, sweep_dir)
             tags["primerl.sweep_dir"] = str(sweep_dir)
             tags["primerl.job_num"] = str(job_num)
         name = run_dir.name if sweep_dir is None else f"{sweep_dir.name}-{job_num}"
         run = client.create_run(experiment, run_name=f"{cfg.name}-{name}", tags=tags)
-        ledger = cls(client, run.info.run_id, run_dir)
+        ledger = cls(client, run.info.run_id, run_dir, experiment)
         params = flatten(OmegaConf.to_container(resolved, resolve=True))
         items = [Param(k[:250], v) for k, v in params.items()]
         for i in range(0, len(items), 100):
@@ -104,7 +134,20 @@ class Ledger:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"run_id": ledger.run_id, "tracking_uri": tracking_uri(cfg),
                                       "experiment_id": experiment}))  # fmt: skip
+        ledger._log_config(resolved)
         return ledger
+
+    def _log_config(self, composed: DictConfig) -> None:
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(composed, resolve=True), "config/resolved.yaml")
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(composed), "config/composed.yaml")
+
+    def start_system_metrics(self, interval_s: float) -> None:
+        """MLflow's system-metrics monitor for this run, continuing the steps of a resumed run; stopped by finish."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._system_metrics = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, resume_logging=True,
+                                                    tracking_uri=self.client.tracking_uri)  # fmt: skip
+        self._system_metrics.start()
 
     @staticmethod
     def _sweep_parent(client: MlflowClient, experiment: str, sweep_dir: Path) -> str:
@@ -127,6 +170,14 @@ class Ledger:
         for i in range(0, len(metrics), 500):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 500])
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params are write-once in MLflow: keys this run already has are left as they are (a resumed run logs the
+        same SFT results again)."""
+        known = self.client.get_run(self.run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in known]
+        if new:
+            self.client.log_batch(self.run_id, params=new)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
@@ -135,40 +186,71 @@ class Ledger:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
+        if self._system_metrics is not None:
+            self._system_metrics.finish()
+            self._system_metrics = None
         self.client.set_terminated(self.run_id, status=status)
+
+    def url(self) -> str | None:
+        """The run's page in the MLflow UI, when the store is a tracking server."""
+        uri = self.client.tracking_uri
+        if not uri.startswith(("http://", "https://")):
+            return None
+        return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
 
 class MetricsFollower:
-    """Forwards new lines of each process's metrics JSONL to the ledger (prefix `<process>/`).
+    """Forwards new lines of each process's metrics JSONL to the ledger (prefix `<process>/`), and the sampled
+    rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`) as MLflow traces (primerl.ledger.traces).
 
-    The byte offsets already forwarded are kept in `<run>/ledger_offsets.json`: a resumed run forwards each line
-    exactly once.
+    The byte offsets already forwarded are kept in `<run>/ledger_offsets.json` (replaced atomically, after every
+    trace): a resumed run forwards each line exactly once.
     """
 
-    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = ("orchestrator", "trainer")):
+    SAMPLES = "samples"
+
+    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = ("orchestrator", "trainer"),
+                 sample_every: int = 1):  # fmt: skip
         self.ledger = ledger
+        self.sample_every = sample_every
         self.offsets_file = ledger.run_dir / "ledger_offsets.json"
         saved = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
-        self.offsets = {p: int(saved.get(p, 0)) for p in processes}
+        self.offsets = {p: int(saved.get(p, 0)) for p in (*processes, self.SAMPLES)}
+
+    def _save_offsets(self) -> None:
+        with atomic_file(self.offsets_file) as tmp:
+            tmp.write_text(json.dumps(self.offsets))
+
+    def _new_rows(self, name: str, path: Path):
+        """(row, offset after it) for each complete new JSON line of `path` past the saved offset."""
+        if not path.exists():
+            return
+        with open(path) as f:
+            f.seek(self.offsets[name])
+            while (line := f.readline()).endswith("\n"):
+                try:
+                    row = json.loads(line)
+                except ValueError:  # the torn last line of a process killed mid-write
+                    self.offsets[name] = f.tell()
+                    continue
+                yield row, f.tell()
 
     def poll(self) -> None:
-        from primerl.transport.run_dir import metrics_path
+        from primerl.transport.run_dir import metrics_path, samples_path
 
-        for process, offset in self.offsets.items():
-            path = metrics_path(self.ledger.run_dir, process)
-            if not path.exists():
-                continue
-            with open(path) as f:
-                f.seek(offset)
-                while (line := f.readline()).endswith("\n"):
-                    self.offsets[process] = f.tell()
-                    try:
-                        row = json.loads(line)
-                    except ValueError:  # the torn last line of a process killed mid-write
-                        continue
-                    step, stamp = row.pop("step"), row.pop("time", None)
-                    self.ledger.log_metrics(step, row, f"{process}/", int(stamp * 1000) if stamp else None)
-        self.offsets_file.write_text(json.dumps(self.offsets))
+        for process in self.offsets.keys() - {self.SAMPLES}:
+            for row, offset in self._new_rows(process, metrics_path(self.ledger.run_dir, process)):
+                step, stamp = row.pop("step"), row.pop("time", None)
+                self.ledger.log_metrics(step, row, f"{process}/", int(stamp * 1000) if stamp else None)
+                self.offsets[process] = offset
+        self._save_offsets()
+        for row, offset in self._new_rows(self.SAMPLES, samples_path(self.ledger.run_dir)):
+            if row.get("step", 0) % self.sample_every == 0:
+                from primerl.ledger.traces import log_rollout_trace
+
+                log_rollout_trace(self.ledger, self.ledger.experiment_id, row)
+            self.offsets[self.SAMPLES] = offset
+            self._save_offsets()
 
 
 def finish_sweep(sweep_dir: Path) -> None:

@@ -10,14 +10,18 @@ from primerl.plot import plot_curves
 from primerl.transport.run_dir import samples_path, weights_path
 from primerl.transport.weights import latest_stable_version
 
+SFT_RESULTS = ("reward_before", "reward_after", "train_wall_s")
+
 
 def record_sft(ledger: Ledger, metrics_file: Path) -> None:
+    """The SFT loss curve as metric `sft/loss` by SFT step; its single-valued results as params `sft.result.*`
+    (one value per run, not a one-point curve on another step scale)."""
     if not metrics_file.exists():
         return
     sft = json.loads(metrics_file.read_text())
     for step, loss in enumerate(sft.get("losses", [])):
         ledger.log_metrics(step, {"loss": loss}, "sft/")
-    ledger.log_metrics(0, {k: sft[k] for k in ("reward_before", "reward_after", "train_wall_s") if k in sft}, "sft/")
+    ledger.log_params({f"sft.result.{k}": f"{sft[k]:.4g}" for k in SFT_RESULTS if k in sft})
     ledger.set_tags({"checkpoint.sft": sft.get("checkpoint", "")})
 
 
@@ -31,8 +35,7 @@ def reward_plot(run_dir: Path, title: str) -> Path | None:
 
 
 def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
-    """Resolved config, the reward plot, sample rollouts every `ledger.sample_every` steps, checkpoint paths."""
-    ledger.log_artifact(run_dir / ".hydra" / "config.yaml", "config")
+    """The overrides, the reward plot, sample rollouts every `ledger.sample_every` steps, checkpoint paths."""
     ledger.log_artifact(run_dir / ".hydra" / "overrides.yaml", "config")
     plot = reward_plot(run_dir, f"{cfg.name}: mean reward per step")
     if plot is not None:

@@ -1,7 +1,8 @@
 """Which weights a run starts from: the SFT warm-start checkpoint (cached, keyed by what changes it) or the base model.
 
 Every process asks this module, so inference serves, the orchestrator tokenizes for and the trainer trains the same
-start weights.
+start weights. Whether SFT applies is a pure function of the config (`sft_applies`), decided identically in the
+driver, before any process starts, and in every process it starts.
 """
 
 import hashlib
@@ -13,18 +14,38 @@ from pathlib import Path
 from primerl.config.schema import RunConfig
 from primerl.model.resolve import base_model_path
 
+# Environments whose demonstrations primerl generates itself (primerl.sft); any other env needs `sft.data`.
+GENERATED_DEMONSTRATIONS = ("reverse-text",)
+
+
+def sft_data_source(cfg: RunConfig) -> str | None:
+    """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file), the env's own generator
+    (`generated:<env id>`), or None when there are none for this env."""
+    if cfg.sft.data:
+        return str(Path(cfg.sft.data).expanduser().resolve())
+    if cfg.env.id in GENERATED_DEMONSTRATIONS:
+        return f"generated:{cfg.env.id}"
+    return None
+
+
+def sft_applies(cfg: RunConfig) -> bool:
+    """SFT runs (or its cached checkpoint is used) only when enabled and there are demonstrations for it."""
+    return cfg.sft.enabled and sft_data_source(cfg) is not None
+
 
 def sft_checkpoint_dir(cfg: RunConfig) -> Path:
-    """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs."""
-    key = json.dumps(
-        [base_model_path(cfg), asdict(cfg.sft) | {"save_every": None}, cfg.env.id, cfg.env.args, cfg.seed],
-        sort_keys=True,
-        default=str,
-    )
+    """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs.
+    With `sft.data`, the file's sha256 is part of the key: an edited dataset trains a new checkpoint."""
+    settings = asdict(cfg.sft) | {"save_every": None}
+    data = settings.pop("data")
+    key_parts = [base_model_path(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
+    if data:
+        key_parts.append(hashlib.sha256(Path(data).expanduser().read_bytes()).hexdigest())
+    key = json.dumps(key_parts, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.path.expanduser(cfg.cache_dir)) / "sft" / f"{cfg.name}-{digest}"
 
 
 def initial_model_path(cfg: RunConfig) -> str:
-    """The weights RL starts from: the SFT checkpoint when SFT is enabled, else the base model."""
-    return str(sft_checkpoint_dir(cfg)) if cfg.sft.enabled else base_model_path(cfg)
+    """The weights RL starts from: the SFT checkpoint when SFT applies, else the base model."""
+    return str(sft_checkpoint_dir(cfg)) if sft_applies(cfg) else base_model_path(cfg)

@@ -57,7 +57,10 @@ class Sink:
                 "prompt": rollout.prompt[:500],
                 "completion": rollout.completion[:500],
                 "reward": rollout.reward,
+                "rewards": rollout.rewards,
+                "metrics": rollout.metrics,
                 "policy_versions": [group.version, finished.last_version],
+                "messages": rollout.transcript,
             }
             for i, branch in enumerate(rollout.branches):
                 sample = Sample(branch.token_ids, branch.sampled_mask, branch.logprobs, rollout.reward, advantage,

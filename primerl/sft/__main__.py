@@ -1,6 +1,7 @@
 """SFT warm-start: `python -m primerl.sft +experiment=reverse_text` (or under torchrun for several ranks).
 
-Trains on generated chat pairs with loss on assistant tokens only, packed rows, FSDP2. The loss is normalised by
+Trains on demonstrations (generated for reverse-text, or a user's chat dataset `sft.data=FILE.jsonl`) with loss on
+assistant tokens only, packed rows, FSDP2. The loss is normalised by
 the number of assistant tokens in the global batch, so 1 rank and N ranks compute the same loss and gradients.
 Writes an HF checkpoint to `sft_checkpoint_dir(cfg)` (reused when it already exists) and `sft_metrics.json` to the
 output folder.
@@ -10,6 +11,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,8 +27,8 @@ from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.envs.reverse_text import make_texts, prompt_messages, stream_seed
 from primerl.model.resolve import base_model_path
-from primerl.model.start import sft_checkpoint_dir
-from primerl.sft.data import IGNORE, PackedBatch, chat_example, pack
+from primerl.model.start import GENERATED_DEMONSTRATIONS, sft_checkpoint_dir, sft_data_source
+from primerl.sft.data import IGNORE, PackedBatch, conversation_example, load_conversations, pack
 from primerl.trainer.dist import (
     DistInfo,
     all_reduce_sum,
@@ -75,10 +77,40 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def check_demonstrations(cfg: RunConfig) -> None:
+    """A one-line ConfigError when SFT has nothing to learn from: no generator for the env and no `sft.data`, or a
+    bad dataset row. Called before any process or rank starts."""
+    if cfg.sft.data:
+        load_conversations(cfg.sft.data)
+    elif sft_data_source(cfg) is None:
+        raise ConfigError("sft.data", f"no demonstrations for env.id={cfg.env.id}: give a chat dataset "
+                          f"(sft.data=FILE.jsonl); primerl generates them for {', '.join(GENERATED_DEMONSTRATIONS)}")  # fmt: skip
+
+
+def demonstration_batches(cfg: RunConfig) -> Iterator[list[list[dict[str, str]]]]:
+    """`sft.steps` batches of `sft.batch_size` conversations: from `sft.data` (every pass reshuffled, seeded), or
+    generated for the env (`check_demonstrations` first)."""
+    size = cfg.sft.batch_size
+    if cfg.sft.data:
+        data = load_conversations(cfg.sft.data)
+        rng, order = random.Random(f"{cfg.seed}/sft-data"), []
+        for _ in range(cfg.sft.steps):
+            while len(order) < size:
+                next_pass = list(range(len(data)))
+                rng.shuffle(next_pass)
+                order += next_pass
+            yield [data[i] for i in order[:size]]
+            order = order[size:]
+    else:
+        texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * size, *text_lengths(cfg))
+        answers = demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)
+        for step in range(cfg.sft.steps):
+            yield [prompt_messages(t) + [{"role": "assistant", "content": a}]
+                   for t, a in zip(texts[step * size : (step + 1) * size], answers[step * size : (step + 1) * size])]  # fmt: skip
+
+
 def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     """Run SFT on this rank's share of each batch; returns the global loss per step (same on every rank)."""
-    if cfg.env.id != "reverse-text":
-        raise ConfigError("env.id", f"SFT warm-start data exists for reverse-text only, not '{cfg.env.id}'")
     if cfg.sft.batch_size % info.world_size:
         raise ConfigError(
             "sft.batch_size", f"{cfg.sft.batch_size} is not divisible by the world size {info.world_size}"
@@ -91,15 +123,13 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     shard_model(model, data_mesh(info, info.world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
-    texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * cfg.sft.batch_size, *text_lengths(cfg))
-    pairs = list(zip(texts, demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)))
+    batches = demonstration_batches(cfg)
     losses: list[float] = []
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not info.is_main, dynamic_ncols=True)
     start = time.perf_counter()
     tokens_seen = 0
-    for step in bar:
-        batch_pairs = pairs[step * cfg.sft.batch_size : (step + 1) * cfg.sft.batch_size][info.rank :: info.world_size]
-        examples = [chat_example(tokenizer, prompt_messages(t), answer) for t, answer in batch_pairs]
+    for step, conversations in zip(bar, batches):
+        examples = [conversation_example(tokenizer, c) for c in conversations[info.rank :: info.world_size]]
         batch = pack(examples, cfg.sft.seq_len, tokenizer.pad_token_id)
         batch = PackedBatch(*(t.to(info.device) for t in (batch.input_ids, batch.position_ids, batch.labels)))
         global_tokens = all_reduce_sum(batch.num_loss_tokens, info.device)
@@ -127,9 +157,23 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     return losses
 
 
+def held_out_rewards(cfg: RunConfig, out_dir: Path) -> dict[str, float]:
+    """Greedy reward on held-out reverse-text tasks, before and after SFT."""
+    from primerl.evaluate import rewards
+
+    eval_texts = make_texts(stream_seed(cfg.seed, "eval"), cfg.sft.num_eval, *text_lengths(cfg))
+
+    def greedy_reward(model_dir: str) -> float:
+        values = rewards(model_dir, eval_texts, temperature=0.0, seed=cfg.seed)
+        return sum(values) / len(values)
+
+    return {"reward_before": greedy_reward(base_model_path(cfg)), "reward_after": greedy_reward(str(out_dir))}
+
+
 @hydra_app()
 def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
+    check_demonstrations(cfg)
     info = init_distributed(cfg.parallelism.backend)
     try:
         out_dir = sft_checkpoint_dir(cfg)
@@ -141,16 +185,8 @@ def main(dict_cfg: DictConfig) -> None:
         losses = train_sft(cfg, info, out_dir)
         wall_s = time.perf_counter() - started
         if info.is_main:
-            eval_texts = make_texts(stream_seed(cfg.seed, "eval"), cfg.sft.num_eval, *text_lengths(cfg))
-            from primerl.evaluate import rewards
-
-            def greedy_reward(model_dir: str) -> float:
-                values = rewards(model_dir, eval_texts, temperature=0.0, seed=cfg.seed)
-                return sum(values) / len(values)
-
             metrics = {
-                "reward_before": greedy_reward(base_model_path(cfg)),
-                "reward_after": greedy_reward(str(out_dir)),
+                **(held_out_rewards(cfg, out_dir) if cfg.env.id == "reverse-text" else {}),
                 "losses": losses,
                 "train_wall_s": wall_s,
                 "world_size": info.world_size,
@@ -165,10 +201,10 @@ def main(dict_cfg: DictConfig) -> None:
 
                 ledger = Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve(), kind="sft")
                 record_sft(ledger, metrics_file)
-                ledger.log_artifact(Path(cfg.output_dir) / ".hydra" / "config.yaml", "config")
                 ledger.finish()
-            log.info(f"held-out reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f} "
-                  f"in {wall_s:.0f}s; checkpoint {out_dir}")  # fmt: skip
+            result = (f"held-out reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}"
+                      if "reward_after" in metrics else f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")  # fmt: skip
+            log.info(f"{result} in {wall_s:.0f}s; checkpoint {out_dir}")
     finally:
         close_distributed()
 

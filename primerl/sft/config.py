@@ -7,7 +7,12 @@ from primerl.config.bounds import bounded
 
 @dataclass
 class SftConfig:
+    # Runs only where there are demonstrations: `data`, or the env's own generator (primerl.model.start); otherwise
+    # RL starts from the base model with a notice.
     enabled: bool = True
+    # A chat dataset: JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line; the loss is on every
+    # assistant message. None: the env's generated demonstrations (reverse-text).
+    data: str | None = None
     steps: int = bounded(1500, ge=1)
     batch_size: int = bounded(32, ge=1)  # sequences per optimizer step, across all ranks
     seq_len: int = bounded(256, ge=2)  # packed row length

@@ -1,12 +1,15 @@
-"""SFT examples for chat tasks: assistant-only loss masks, packed with primerl.trainer.packing.
+"""SFT examples for chat tasks: assistant-only loss masks, packed with primerl.transport.packing; chat datasets.
 
 `labels` are IGNORE (-100) except on assistant tokens; the loss shifts them by one.
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from primerl.config.errors import ConfigError
 from primerl.transport.packing import pack_sequences
 
 IGNORE = -100
@@ -19,15 +22,56 @@ class Example:
 
 
 def chat_example(tokenizer, prompt: list[dict[str, str]], answer: str) -> Example:
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(
-        prompt + [{"role": "assistant", "content": answer}], tokenize=False
-    ).removesuffix("\n")
-    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-    full_ids = tokenizer.encode(full_text, add_special_tokens=False)
-    if full_ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError("chat template does not extend the prompt with the answer; cannot mask the prompt")
-    return Example(full_ids, [False] * len(prompt_ids) + [True] * (len(full_ids) - len(prompt_ids)))
+    return conversation_example(tokenizer, prompt + [{"role": "assistant", "content": answer}])
+
+
+def conversation_example(tokenizer, messages: list[dict[str, str]]) -> Example:
+    """The conversation up to its last assistant message, with the loss on every assistant message (each one's
+    tokens after its generation prompt, through its end-of-turn token)."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+
+    def ids(upto: int, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.encode(text if generation_prompt else text.removesuffix("\n"), add_special_tokens=False)
+
+    full_ids = ids(last + 1, False)
+    loss_mask = [False] * len(full_ids)
+    for i in (i for i, m in enumerate(messages[: last + 1]) if m["role"] == "assistant"):
+        start, through = ids(i, True), ids(i + 1, False)
+        if full_ids[: len(start)] != start or full_ids[: len(through)] != through:
+            raise ValueError(f"chat template does not extend message {i} with its reply; cannot mask the prompt")
+        loss_mask[len(start) : len(through)] = [True] * (len(through) - len(start))
+    return Example(full_ids, loss_mask)
+
+
+def load_conversations(path: str) -> list[list[dict[str, str]]]:
+    """A chat dataset for `sft.data`: JSONL, one {"messages": [...]} per line, each with an assistant message.
+    Any bad row is a ConfigError naming `sft.data`, the line and what is wrong."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError("sft.data", f"{path} is not a file (a JSONL of chat `messages` is expected)")
+    conversations = []
+    with file.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError("sft.data", f"{where} is not JSON ({err.msg})") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(messages, list) or not messages:
+                raise ConfigError("sft.data", f"{where} has no 'messages' list")
+            for m in messages:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise ConfigError("sft.data", f"{where}: every message needs a string 'role' and 'content'")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ConfigError("sft.data", f"{where} has no assistant message to learn")
+            conversations.append([{"role": m["role"], "content": m["content"]} for m in messages])
+    if not conversations:
+        raise ConfigError("sft.data", f"{path} holds no conversations")
+    return conversations
 
 
 @dataclass
