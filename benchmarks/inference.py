@@ -23,12 +23,11 @@ import aiohttp
 
 from primerl.config.cli import check
 from primerl.envs.reverse_text import make_texts, prompt_messages
-from primerl.envs.verifiers_env import Rollout, load_env
+from primerl.envs.verifiers_env import Rollout, env_runner, load_env
 from primerl.inference.server import VllmServer, render_specs
 from primerl.model.resolve import base_model_path
 from primerl.model.start import initial_model_path
 from primerl.orchestrator.inference_client import InferenceClient
-from primerl.orchestrator.orchestrator import env_runner
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import SERVED_MODEL_NAME
@@ -53,7 +52,10 @@ async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int
 
 async def overhead(cfg, rounds: int) -> None:
     env = load_env(cfg.env)
-    runner = env_runner(cfg, env, initial_model_path(cfg))
+    orch = cfg.orchestrator
+    runner = env_runner(
+        env, initial_model_path(cfg), cfg.inference, orch.temperature, orch.max_tokens, orch.sampling_args
+    )
     tasks = iter(env.taskset)
     n_tasks, group = cfg.orchestrator.batch_size // cfg.orchestrator.group_size, cfg.orchestrator.group_size
     base_url = f"http://{cfg.inference.host}:{cfg.inference.port}"

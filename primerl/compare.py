@@ -44,12 +44,19 @@ def differing_params(runs: list) -> list[str]:
     return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
 
 
+def eval_metrics(runs: list) -> list[str]:
+    """The online evals' mean rewards any of the runs has (`eval/<env>/reward_mean`)."""
+    return sorted({m for r in runs for m in r.data.metrics if m.startswith("eval/") and m.endswith("/reward_mean")})
+
+
 def table(runs: list, keys: list[str]) -> str:
+    evals = eval_metrics(runs)
     header = ["run", "status", *keys, *(m.split("/", 1)[-1] for m in FINAL_METRICS),
+              *(f"eval {m.split('/')[1]}" for m in evals),
               *(p.removeprefix("sft.result.") + " (sft)" for p in RESULT_PARAMS)]  # fmt: skip
     rows = [header]
     for r in runs:
-        metrics = [f"{r.data.metrics[m]:.4g}" if m in r.data.metrics else "-" for m in FINAL_METRICS]
+        metrics = [f"{r.data.metrics[m]:.4g}" if m in r.data.metrics else "-" for m in (*FINAL_METRICS, *evals)]
         rows.append([r.info.run_name or r.info.run_id[:8], r.info.status, *(r.data.params.get(k, "-") for k in keys),
                      *metrics, *(r.data.params.get(p, "-") for p in RESULT_PARAMS)])  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]

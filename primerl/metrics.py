@@ -10,6 +10,7 @@ from pathlib import Path
 from primerl.transport.run_dir import metrics_path
 
 ORCHESTRATOR, TRAINER = "orchestrator", "trainer"  # the processes that write metrics/<process>.jsonl
+EVAL = "eval"  # the orchestrator's online evals (primerl.orchestrator.online_eval): one row per evaluated policy
 
 
 class OrchestratorMetric:

@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
+from primerl.launch.leftovers import claim_run_dir, clear_leftovers
 from primerl.launch.process import ChildFailed
 from primerl.launch.supervise import run_topology
 from primerl.utils.log import get_logger
@@ -27,7 +28,11 @@ def main(dict_cfg: DictConfig) -> None:
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("output_dir=")]
     ledger = None
     status = "FAILED"
+    run_dir = Path(cfg.output_dir).resolve()
+    driver_lock = claim_run_dir(run_dir)  # one driver per run directory
     try:
+        if cfg.launcher.name == "local":
+            clear_leftovers(run_dir)  # what a driver killed -9 left: processes, temporaries
         from primerl.config.validate import resolve_dp_shard
         from primerl.envs.verifiers_env import load_env
 
@@ -61,6 +66,7 @@ def main(dict_cfg: DictConfig) -> None:
     finally:
         if ledger is not None:
             ledger.finish(status)
+        driver_lock.close()
     return final_reward(cfg)
 
 

@@ -259,3 +259,53 @@ def test_partial_groups_never_stall_the_cut(tmp_path):
     rows = read_metrics(tmp_path, ORCHESTRATOR)
     assert [r["step"] for r in rows] == list(range(4)) and all(len(s) == 8 for s in writer.samples.values())
     assert all(r["off_policy/max"] == 0 for r in rows)  # the overshoot was dropped, not trained late
+
+
+def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
+    from primerl.eval.config import EvalConfig
+    from primerl.metrics import EVAL
+    from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
+    from primerl.orchestrator.watcher import Watcher
+    from primerl.transport.atomic import STABLE_MARKER
+    from primerl.transport.run_dir import weights_path
+
+    policy = Policy()
+    runner = FakeRunner(policy, duration=lambda task: 0.02)
+    cfg = EvalConfig(every=3, num_tasks=5, samples_per_task=2, k=2)
+
+    def online():
+        return OnlineEval([EvalSuite("fake", runner, [FakeTask(i) for i in range(5)])], cfg, 7, tmp_path, 5.0)
+
+    class FakeClient:
+        loads: list = []
+
+        async def load_weights(self, path, version):
+            self.loads.append((version, runner.finished))  # rollouts finished by the time of the load
+            return 0.001
+
+    evals = online()
+    watcher = Watcher(tmp_path, FakeClient(), policy, 0.01, 5.0, before_load=evals.before_load)
+
+    def publish(version):
+        weights_path(tmp_path, version).mkdir(parents=True)
+        (weights_path(tmp_path, version) / STABLE_MARKER).touch()
+
+    async def main():
+        for version in (1, 2, 4, 5, 7):  # the trainer publishes; the watcher skips versions it never saw
+            if version == 4:
+                publish(3)
+            publish(version)
+            await watcher.update()
+        await evals.finish(policy)
+
+    asyncio.run(main())
+    rows = read_metrics(tmp_path, EVAL)
+    # v0 at the start, the first version served at or past 3 (v4; v3 was never served), then 6 -> v7 = max_steps
+    assert [r["step"] for r in rows] == [0, 4, 7]
+    assert all(r["fake/rollouts"] == 10 and r["fake/failures"] == 0 for r in rows)
+    assert rows[0]["fake/reward_mean"] == pytest.approx(sum(i % 5 / 4 for i in range(5)) / 5)
+    assert "fake/pass_at_2" in rows[0] and "fake/avg_at_2" in rows[0]
+    assert all(first == last for first, last in runner.spans)  # no eval rollout saw a load
+    # each load came after the eval of the version it replaced: 10 rollouts before v1, 20 before v5 (v4's eval)
+    assert FakeClient.loads == [(1, 10), (2, 10), (4, 10), (5, 20), (7, 20)]
+    assert not online().due(7) and not online().due(4)  # a resumed orchestrator does not evaluate them again

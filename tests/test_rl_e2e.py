@@ -54,9 +54,14 @@ def _train(run_dir, *overrides, steps=3, sft=False):
 
 def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
     run = tmp_path / "run"
-    result = _train(run, "orchestrator.async_level=1")
+    # with online evals on the env's held-out split at v0, v2 and the end (v3)
+    result = _train(run, "orchestrator.async_level=1", "eval.every=2", "eval.num_tasks=8", "eval.samples_per_task=2",
+                    "eval.k=2")  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "step 3/3" in result.stdout
+    evals = read_metrics(run, "eval")
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    assert all(r["reverse-text/rollouts"] + r["reverse-text/failures"] == 16 for r in evals)
     orch, trainer = read_metrics(run, "orchestrator"), read_metrics(run, "trainer")
     assert [r["step"] for r in orch] == [0, 1, 2] and [r["step"] for r in trainer] == [0, 1, 2]
     for row in orch:
@@ -94,6 +99,8 @@ def _check_ledger(run, trainer_rows):
     assert [m.step for m in history] == [0, 1, 2]
     assert [m.value for m in history] == pytest.approx([r["loss"] for r in trainer_rows])
     assert len(client.get_metric_history(record["run_id"], "orchestrator/reward/mean")) == 3
+    online = client.get_metric_history(record["run_id"], "eval/reverse-text/reward_mean")
+    assert [m.step for m in sorted(online, key=lambda m: m.step)] == [0, 2, 3]
     artifacts = {a.path for a in client.list_artifacts(record["run_id"])}
     assert {"config", "reward.png", "samples"} <= artifacts
     resolved = client.download_artifacts(record["run_id"], "config/resolved.yaml", str(run))

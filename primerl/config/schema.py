@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from primerl.envs.config import EnvConfig
+from primerl.eval.config import EvalConfig
 from primerl.inference.config import InferenceConfig
 from primerl.launch.config import LauncherConfig
 from primerl.ledger.config import LedgerConfig
@@ -33,6 +34,7 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # python -m primerl.eval
 
 
 def register_schema() -> None:

@@ -12,3 +12,6 @@ class EnvConfig:
     harness: str = "primerl-chat"  # in-process chat loop: no uv, sandbox or network per rollout
     runtime: str = "subprocess"
     args: dict[str, Any] = field(default_factory=dict)  # the taskset's own config fields
+    # merged over `args` for evaluation: the env's held-out split (e.g. reverse-text's {stream: eval}); the default
+    # online eval env when there is one (primerl.eval.config)
+    eval_args: dict[str, Any] = field(default_factory=dict)

@@ -5,7 +5,9 @@ timed out, or scored a non-finite reward becomes a counted `RolloutFailure`, nev
 """
 
 import math
+import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import verifiers.v1 as vf
 from verifiers.v1.utils.loaders import load_environment, resolve_env_config
@@ -15,6 +17,9 @@ from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_speed import memoize_default_factory_check
 from primerl.envs.traces import final_reply, prompt_text, transcript
+
+if TYPE_CHECKING:
+    from primerl.inference.config import InferenceConfig
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
 # Every other error ends the rollout, which is counted as failed.
@@ -111,3 +116,23 @@ class EnvRunner:
     async def run(self, task: vf.Task) -> list[Rollout | RolloutFailure]:
         (slot,) = self.env.slots(task, 1)
         return episode_rollouts(await self.env.run_slot(slot, self.ctx))
+
+
+API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
+
+
+def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
+               sampling_args: dict | None = None) -> EnvRunner:  # fmt: skip
+    """Rollouts of `env` against the inference server of `inf`: verifiers' train client (token ids, sampled mask,
+    logprobs), tokenizing locally with `model_path`'s tokenizer. The orchestrator's and the evaluator's runner."""
+    from primerl.transport.weights import SERVED_MODEL_NAME
+
+    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")
+    ctx = vf.ModelContext(
+        client=vf.TrainClientConfig(
+            base_url=f"http://{inf.host}:{inf.port}/v1", api_key_var=API_KEY_VAR, renderer_model_name=model_path
+        ),
+        model=SERVED_MODEL_NAME,
+        sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens, **(sampling_args or {})),
+    )
+    return EnvRunner(env, ctx)

@@ -21,7 +21,7 @@ from primerl.inference.server import (
     resolve_device,
 )
 from primerl.model.start import initial_model_path
-from primerl.transport.run_dir import log_path
+from primerl.transport.run_dir import log_path, vllm_scratch_prefix
 from primerl.utils.log import get_logger
 
 log = get_logger("inference")
@@ -37,7 +37,7 @@ def main(dict_cfg: DictConfig) -> None:
         raise ConfigError("sft.enabled", f"the SFT checkpoint {model_path} does not exist yet; run "
                           "`python -m primerl.sft` with the same config first, or set sft.enabled=false")  # fmt: skip
     servers = [
-        VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"))
+        VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), vllm_scratch_prefix(cfg.output_dir))
         for spec in render_specs(cfg, model_path, device)
     ]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -24,6 +24,7 @@ from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
 from primerl.inference.guard import API_KEY_ENV
 from primerl.transport.run_dir import weights_root
 from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
+from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import stop_process_groups
 
 EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
@@ -115,9 +116,10 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
 class VllmServer:
     """One vLLM server process. Use as a context manager, or call start()/stop()."""
 
-    def __init__(self, spec: ServerSpec, log_path: str | Path):
+    def __init__(self, spec: ServerSpec, log_path: str | Path, scratch_prefix: str = "primerl-vllm-"):
         self.spec = spec
         self.log_path = Path(log_path)
+        self.scratch_prefix = scratch_prefix
         self.process: subprocess.Popen | None = None
         self.tmp_dir: Path | None = None
 
@@ -136,7 +138,7 @@ class VllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
         # vLLM leaves its ZMQ sockets and dist-init files in the temp dir; a private one goes with the server.
         # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it.
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="primerl-vllm-"))
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=self.scratch_prefix))
         inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
         env = {
             "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache),
@@ -144,7 +146,9 @@ class VllmServer:
             **self.spec.env,
             "TMPDIR": str(self.tmp_dir),
         }
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # SIGTERM when the process that started it dies, kill -9 included: vLLM then shuts its engine down
+        self.process = subprocess.Popen(dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)  # fmt: skip
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

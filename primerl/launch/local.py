@@ -1,7 +1,8 @@
 """Run the RL topology on this machine: inference server, orchestrator and trainer as child processes.
 
 Each child gets its own process group and log (`<run>/logs/<name>.log`). Stopping SIGTERMs every child's process
-group, then SIGKILLs it after a grace period: no orphans.
+group, then SIGKILLs it after a grace period: no orphans. A driver that dies without stopping them (kill -9) takes
+them along: each child gets SIGTERM when the driver exits (primerl.utils.parent_death).
 """
 
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 from primerl.config.schema import RunConfig
 from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.run_dir import log_path, sft_run_dir
+from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import free_port, stop_process_groups
 
 GRACE_S = 20.0
@@ -37,7 +39,7 @@ class LocalLauncher:
         cmd = module_command(
             "primerl.sft", overrides, sft_run_dir(self.run_dir), self.cfg.launcher.trainer_tasks_per_node
         )
-        if subprocess.run(cmd, env=child_env() | LOOPBACK_GLOO).returncode != 0:
+        if subprocess.run(dies_with_parent(cmd), env=child_env() | LOOPBACK_GLOO).returncode != 0:
             raise ChildFailed("SFT warm-start failed (its output is above)")
 
     def start(self, overrides: list[str]) -> None:
@@ -56,7 +58,8 @@ class LocalLauncher:
         log = log_path(self.run_dir, name)
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            process = subprocess.Popen(dies_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)  # fmt: skip
         self.children[name] = Child(name, process, log)
 
     def finished(self) -> bool:

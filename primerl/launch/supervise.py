@@ -64,7 +64,7 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
     run_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None
+    follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None  # fmt: skip
     try:
         if sft_needed(cfg):
             # the train run's ledger records the SFT results; the SFT process keeps none of its own

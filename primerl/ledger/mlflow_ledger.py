@@ -80,6 +80,10 @@ def description(cfg: RunConfig, kind: str) -> str:
     model = cfg.model.hub_id or cfg.model.path or f"{cfg.model.source.value} (built here)"
     if kind == "sft":
         return f"{cfg.name}: SFT warm-start of {model}, {cfg.sft.steps} steps of {cfg.sft.batch_size} on {cfg.env.id}."
+    if kind == "eval":
+        e = cfg.eval
+        return (f"{cfg.name}: evaluation of {e.model or f'{e.run} step {e.step}'} on env {cfg.env.id}, "
+                f"{e.num_tasks} tasks x {e.samples_per_task} rollouts at temperature {e.temperature}.")  # fmt: skip
     o = cfg.orchestrator
     return (f"{cfg.name}: RL on env {cfg.env.id} with model {model}, {cfg.trainer.max_steps} steps of "
             f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
@@ -209,7 +213,7 @@ class MetricsFollower:
 
     SAMPLES = "samples"
 
-    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = ("orchestrator", "trainer"),
+    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = ("orchestrator", "trainer", "eval"),
                  sample_every: int = 1):  # fmt: skip
         self.ledger = ledger
         self.sample_every = sample_every

@@ -16,6 +16,9 @@ the batch of the policy that generates it (an overshoot is dropped at the next c
 older than next_step - max_off_policy_steps) are cancelled. With `drain_per_step` (lock-step, as before continuous
 dispatch) one batch of groups is admitted at a time, and it is cut when every one of them has finished.
 
+Online evals (`eval.every`, primerl.orchestrator.online_eval) score the served policy on held-out envs: the watcher
+awaits the eval of version v, when one is due, before it loads a newer policy.
+
 Failures are data: a failed rollout is counted; a group whose every rollout failed asks the watcher to check the
 server; `max_failed_streak` failed rollouts in a row with no success, the server up, stop the run with the logged
 reasons.
@@ -23,12 +26,13 @@ reasons.
 
 import asyncio
 import collections
+import contextlib
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
 from primerl.metrics import OrchestratorMetric as M
@@ -42,8 +46,10 @@ from primerl.orchestrator.writer import BatchWriter
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 
+if TYPE_CHECKING:
+    from primerl.orchestrator.online_eval import OnlineEval
+
 log = get_logger("orchestrator")
-API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 
 class Orchestrator:
@@ -228,31 +234,42 @@ class Orchestrator:
         return stats
 
 
-def env_runner(cfg: RunConfig, env, model_path: str):
-    """The rollout runner of the run's env against its inference server: verifiers' train client (token ids, sampled
-    mask, logprobs), tokenizing locally with the start model's tokenizer."""
-    import verifiers.v1 as vf
+async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
+                       stack: contextlib.AsyncExitStack) -> "OnlineEval | None":  # fmt: skip
+    """The online evals of `eval.every`, their envs served inside `stack`; None when off or there is nothing to
+    evaluate (no `eval.envs` and no held-out split, `env.eval_args`, of the training env)."""
+    import dataclasses
+    import itertools
 
-    from primerl.envs.verifiers_env import EnvRunner
-    from primerl.transport.weights import SERVED_MODEL_NAME
+    from primerl.envs.verifiers_env import env_runner, load_env
+    from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
 
-    orch, inf = cfg.orchestrator, cfg.inference
-    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")  # verifiers reads the key from a variable
-    ctx = vf.ModelContext(
-        client=vf.TrainClientConfig(
-            base_url=f"http://{inf.host}:{inf.port}/v1", api_key_var=API_KEY_VAR, renderer_model_name=model_path
-        ),
-        model=SERVED_MODEL_NAME,
-        sampling=vf.SamplingConfig(temperature=orch.temperature, max_tokens=orch.max_tokens, **orch.sampling_args),
-    )
-    return EnvRunner(env, ctx)
+    e, orch = cfg.eval, cfg.orchestrator
+    if not e.every:
+        return None
+    envs = list(e.envs)
+    if not envs and cfg.env.eval_args:
+        envs = [dataclasses.replace(cfg.env, args={**cfg.env.args, **cfg.env.eval_args})]
+    if not envs:
+        log.warning("eval.every=%d but no eval.envs and env %s has no held-out split (env.eval_args): no online "
+                    "evals", e.every, cfg.env.id)  # fmt: skip
+        return None
+    suites = []
+    for env_cfg in envs:
+        env = load_env(env_cfg)
+        await stack.enter_async_context(env.serving())
+        name = env_cfg.id if all(s.name != env_cfg.id for s in suites) else f"{env_cfg.id}#{len(suites) + 1}"
+        runner = env_runner(env, model_path, cfg.inference, e.temperature, e.max_tokens or orch.max_tokens,
+                            orch.sampling_args)  # fmt: skip
+        suites.append(EvalSuite(name, runner, list(itertools.islice(iter(env.taskset), e.num_tasks))))
+    return OnlineEval(suites, e, cfg.trainer.max_steps, run_dir, orch.rollout_timeout_s)
 
 
 async def run_orchestrator(cfg: RunConfig) -> None:
     """The real thing: a verifiers env through the train client, a vLLM server, the run directory."""
     from transformers import AutoTokenizer
 
-    from primerl.envs.verifiers_env import load_env
+    from primerl.envs.verifiers_env import env_runner, load_env
     from primerl.model.start import initial_model_path
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.watcher import Watcher
@@ -265,15 +282,18 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
-    runner = env_runner(cfg, env, model_path)
+    runner = env_runner(env, model_path, inf, orch.temperature, orch.max_tokens, orch.sampling_args)
     writer = BatchWriter(run_dir, cfg.trainer.seq_len, cfg.trainer.micro_batch_size, tokenizer.pad_token_id)
     start, position = writer.resume_point()
     if start:
         log.info("resuming at step %d, task %d", start, position)
-    async with InferenceClient(f"http://{inf.host}:{inf.port}", inf.api_key) as client, env.serving():
+    async with (InferenceClient(f"http://{inf.host}:{inf.port}", inf.api_key) as client, env.serving(),
+                contextlib.AsyncExitStack() as eval_envs):  # fmt: skip
+        online_eval = await online_evals(cfg, model_path, run_dir, eval_envs)
         await client.wait_healthy(inf.startup_timeout_s)
         policy = Policy(await client.policy_version())
-        watcher = Watcher(run_dir, client, policy, orch.weight_poll_s, inf.startup_timeout_s)
+        watcher = Watcher(run_dir, client, policy, orch.weight_poll_s, inf.startup_timeout_s,
+                          before_load=online_eval.before_load if online_eval else None)  # fmt: skip
         idle = IdleSampler(client.running_requests)
         orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(env.taskset, position),
                                     runner, writer, policy, start, serving=lambda: watcher.serving,
@@ -291,6 +311,8 @@ async def run_orchestrator(cfg: RunConfig) -> None:
                 for task in done:
                     task.result()
             main.result()
+            if online_eval:
+                await online_eval.finish(policy)
         finally:
             for task in helpers:
                 task.cancel()

@@ -13,7 +13,7 @@ Rollouts that failed meanwhile are counted failures; no step is skipped.
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -30,9 +30,11 @@ HEALTH_EVERY_S = 5.0
 
 class Watcher:
     def __init__(self, run_dir: Path, client: InferenceClient, policy: Policy, poll_s: float,
-                 recovery_timeout_s: float, on_change: Callable[[], None] = lambda: None):  # fmt: skip
+                 recovery_timeout_s: float, on_change: Callable[[], None] = lambda: None,
+                 before_load: Callable[[int], Awaitable[None]] | None = None):  # fmt: skip
         self.run_dir, self.client, self.policy = run_dir, client, policy
         self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
+        self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
         self.serving = True  # false while the server is down: the orchestrator admits nothing
         self.load_s = 0.0  # seconds spent loading weights, cumulative
         self.loads = 0
@@ -66,6 +68,9 @@ class Watcher:
         latest = latest_stable_version(self.run_dir)
         if latest is None or latest <= self.policy.version:
             return
+        if self.before_load is not None:
+            await self.before_load(self.policy.version)
+            latest = latest_stable_version(self.run_dir) or latest  # the trainer may have published more meanwhile
         await self._load(latest)
 
     async def _load(self, version: int) -> None:

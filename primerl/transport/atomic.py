@@ -3,6 +3,7 @@ renamed into place (a rename within one directory is atomic on POSIX). A crash, 
 only a dot-named temporary, which no reader looks at, and never a partial target."""
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -53,3 +54,17 @@ def latest_stable(folder: str | Path) -> int | None:
     """The largest n of the STABLE `step_<n>` directories in `folder`, if any."""
     steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*") if p.is_dir() and is_stable(p)]
     return max(steps) if steps else None
+
+
+# what atomic_file (".<name>-XXXXXXXX.tmp") and atomic_dir (".<name>-XXXXXXXX") leave behind when killed
+_TEMPORARY = re.compile(r"^\..+-[a-z0-9_]{8}(\.tmp)?$")
+
+
+def stale_temporaries(root: str | Path) -> list[Path]:
+    """Temporaries of interrupted atomic writes anywhere under `root` (never descending into them or dot-dirs).
+    Only call it when no process writes under `root`."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        found += [Path(folder, name) for name in dirs + files if _TEMPORARY.match(name)]
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+    return sorted(found)

@@ -13,6 +13,7 @@
   ledger.json                    the MLflow run that records this directory
 """
 
+import hashlib
 from pathlib import Path
 
 
@@ -73,3 +74,10 @@ def inference_address_path(run_dir: str | Path) -> Path:
 
 def ledger_record_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger.json"
+
+
+def vllm_scratch_prefix(run_dir: str | Path) -> str:
+    """Name prefix of the private temp dirs of this run's vLLM servers (in the system temp dir: vLLM's ZMQ socket
+    paths must stay short), so a rerun can find and remove what a killed server left."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return f"primerl-vllm-{key}-"

@@ -1,0 +1,91 @@
+"""What a driver killed with -9 leaves behind: children that die with it, a lock that frees, and a rerun that clears
+the rest. Real processes, real signals; no servers."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from primerl.launch.leftovers import claim_run_dir, clear_leftovers, run_processes
+from primerl.transport.atomic import stale_temporaries
+from primerl.transport.run_dir import vllm_scratch_prefix
+from primerl.utils.errors import RunError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _wait(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_children_die_with_a_parent_killed_with_sigkill():
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from primerl.utils.parent_death import dies_with_parent\n"
+        "child = subprocess.Popen(dies_with_parent(['sleep', '600']), start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = int(parent.stdout.readline())
+    assert _wait(lambda: b"sleep" in open(f"/proc/{child}/cmdline", "rb").read())  # exec'd, alive
+    time.sleep(0.3)
+    assert not _gone(child)  # its own session: a signal to the parent's group would not reach it
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert _wait(lambda: _gone(child))
+
+
+def test_one_driver_per_run_directory(tmp_path):
+    holder_code = f"from pathlib import Path; from primerl.launch.leftovers import claim_run_dir; import time\n" \
+                  f"lock = claim_run_dir(Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(600)"  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(RunError, match=f"another driver \\(pid {holder.pid}\\) is running on {tmp_path}"):
+        claim_run_dir(tmp_path)
+    os.kill(holder.pid, signal.SIGKILL)  # the kernel drops the lock with the process
+    holder.wait()
+    claim_run_dir(tmp_path).close()
+
+
+def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "weights").mkdir()
+    # a process of the run that outlived its driver, and another run's process that must be left alone
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"output_dir={run}/logs"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"output_dir={run}-other"])
+    # what atomic_dir and atomic_file leave when their process is killed mid-write (the names they use), and
+    # vLLM's scratch dir
+    staging = tempfile.mkdtemp(prefix=".step_000003-", dir=run / "weights")
+    fd, partial = tempfile.mkstemp(prefix=".ledger_offsets.json-", suffix=".tmp", dir=run)
+    os.close(fd)
+    scratch = tempfile.mkdtemp(prefix=vllm_scratch_prefix(run))
+    try:
+        assert leftover.pid in run_processes(run) and other.pid not in run_processes(run)
+        assert stale_temporaries(run) == sorted(
+            [run / "weights" / os.path.basename(staging), run / os.path.basename(partial)]
+        )
+        clear_leftovers(run, grace_s=0.5)
+        assert leftover.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+        assert stale_temporaries(run) == [] and not os.path.exists(scratch)
+        assert (run / ".hydra").is_dir() and (run / "weights").is_dir()
+    finally:
+        other.kill()
+        leftover.kill()
