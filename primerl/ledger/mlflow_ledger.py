@@ -147,7 +147,11 @@ class Ledger:
 
     def start_system_metrics(self, interval_s: float) -> None:
         """MLflow's system-metrics monitor for this run, continuing the steps of a resumed run; stopped by finish."""
+        import logging
+
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines, in its own format
 
         self._system_metrics = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, resume_logging=True,
                                                     tracking_uri=self.client.tracking_uri)  # fmt: skip
