@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.errors import ConfigError
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
 from primerl.launch.process import ChildFailed
 from primerl.launch.supervise import run_topology
@@ -37,6 +38,11 @@ def main(dict_cfg: DictConfig) -> None:
         from primerl.envs.verifiers_env import load_env
 
         load_env(cfg.env)  # an unknown env id or bad env args fail here, before any process starts
+        for i, entry in enumerate(cfg.mixture):
+            try:
+                load_env(entry)
+            except ConfigError as err:
+                raise ConfigError(f"mixture[{i}].{err.key.removeprefix('env.')}", err.message) from None
         if cfg.sft.enabled and cfg.sft.data:
             from primerl.sft.data import load_conversations
 

@@ -309,3 +309,49 @@ def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
     # each load came after the eval of the version it replaced: 10 rollouts before v1, 20 before v5 (v4's eval)
     assert FakeClient.loads == [(1, 10), (2, 10), (4, 10), (5, 20), (7, 20)]
     assert not online().due(7) and not online().due(4)  # a resumed orchestrator does not evaluate them again
+
+
+def test_a_mixture_draws_by_weight_resumes_the_same_stream_and_logs_per_env(tmp_path):
+    import itertools
+
+    from primerl.envs.mixture import MixtureRunner, mixed_tasks
+
+    def streams():
+        return {"a": (FakeTask(i) for i in range(100_000)), "b": (FakeTask(i) for i in range(3_000))}
+
+    draws = list(itertools.islice(mixed_tasks(streams(), {"a": 0.7, "b": 0.3}, seed=3), 4000))
+    share_b = sum(d.env == "b" for d in draws) / len(draws)
+    assert abs(share_b - 0.3) < 0.03  # binomial sd ~0.007
+    # per env, tasks come in the env's own order, each once; a restart that skips 1000 draws continues the stream
+    assert [d.task.index for d in draws if d.env == "a"] == list(range(sum(d.env == "a" for d in draws)))
+    resumed = list(itertools.islice(mixed_tasks(streams(), {"a": 0.7, "b": 0.3}, seed=3), 1000, 4000))
+    assert [(d.env, d.task.index) for d in resumed] == [(d.env, d.task.index) for d in draws[1000:]]
+    assert draws[0].key == f"{draws[0].env}/task-0"
+    # the stream ends when the env drawn has run out
+    assert len(list(mixed_tasks(streams(), {"a": 0.0001, "b": 1.0}, seed=0))) < 3_100
+
+    # through the orchestrator: each batch logs each env's reward and sample count
+    policy = Policy()
+    runners = {"a": FakeRunner(policy), "b": FakeRunner(policy, duration=lambda task: 0.003)}
+    cfg = OrchestratorConfig(batch_size=8, group_size=4, max_inflight=16)
+    writer = RecordingWriter(tmp_path)
+    tasks = mixed_tasks(streams(), {"a": 0.5, "b": 0.5}, seed=1)
+    orchestrator = Orchestrator(cfg, 6, TaskSource(tasks), MixtureRunner(runners), writer, policy, env_names=["a", "b"])
+
+    async def main():
+        trainer = asyncio.create_task(fake_trainer(orchestrator, tmp_path, policy, 0.01))
+        try:
+            await asyncio.wait_for(orchestrator.run(), 30)
+        finally:
+            trainer.cancel()
+
+    asyncio.run(main())
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    for row, step in zip(rows, range(6)):
+        samples = writer.samples[step]
+        for env in ("a", "b"):
+            mine = [s for s in samples if s.task_key.startswith(f"{env}/")]
+            assert row[f"env/{env}/samples"] == len(mine)
+            if mine:
+                assert row[f"env/{env}/reward_mean"] == pytest.approx(sum(s.reward for s in mine) / len(mine))
+    assert sum(r["env/a/samples"] for r in rows) > 0 and sum(r["env/b/samples"] for r in rows) > 0

@@ -151,6 +151,29 @@ def test_multi_turn_environment(cache_dir, tmp_path):
     assert all(s.start_time_ns < s.end_time_ns for s in llm_spans)
 
 
+def test_environment_mixture(cache_dir, tmp_path):
+    """Two envs by weight, from the experiment's command (its SFT left on: a mixture has no demonstrations)."""
+    run = tmp_path / "mixture"
+    mixture = "mixture=[{id:reverse-text,weight:1},{id:guess-number,weight:1,args:{high:16}}]"
+    result = _train(run, mixture, "orchestrator.max_tokens=8", "eval.every=0", steps=2, sft=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no SFT warm-start: no demonstrations for a mixture" in result.stderr
+    rows = read_metrics(run, "orchestrator")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["env/reverse-text/samples"] + row["env/guess-number/samples"] == 16
+    sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
+    assert all(s["task"].startswith(("reverse-text/", "guess-number/")) for s in sampled)
+    assert sum(r["env/guess-number/samples"] for r in rows) > 0 and sum(r["env/reverse-text/samples"] for r in rows) > 0
+    # bad input: one line naming the key, before any process starts
+    for bad, key in (("mixture=[{id:reverse-text},{id:no-such-env}]", "mixture[1].id: no installed verifiers"),
+                     ("mixture=[{id:reverse-text,weight:-1}]", "mixture[0].weight")):  # fmt: skip
+        result = subprocess.run(
+            _train_cmd(tmp_path / "bad", bad), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 2 and key in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 @contextlib.contextmanager
 def _run_until_trainer_step(run, trainer_steps, *overrides, steps=50):
     """A run, yielded once its trainer has finished `trainer_steps` steps; killed if still alive afterwards."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from primerl.envs.config import EnvConfig
+from primerl.envs.config import EnvConfig, MixtureEntry
 from primerl.eval.config import EvalConfig
 from primerl.inference.config import InferenceConfig
 from primerl.launch.config import LauncherConfig
@@ -29,6 +29,8 @@ class RunConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    # several training envs, each task drawn from one of them by weight (primerl.envs.mixture); empty: `env` alone
+    mixture: list[MixtureEntry] = field(default_factory=list)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -65,6 +65,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.path", "required when model.source=path")
     if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
         raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
+    for i, entry in enumerate(cfg.mixture):
+        if not entry.weight > 0:
+            raise ConfigError(f"mixture[{i}].weight", f"{entry.weight} is not a positive sampling weight")
+    if len({entry.id for entry in cfg.mixture}) < len(cfg.mixture):
+        raise ConfigError("mixture", "each env may appear once (its id names its metrics)")
     if cfg.sft.data and not Path(cfg.sft.data).expanduser().is_file():
         raise ConfigError("sft.data", f"{cfg.sft.data} is not a file (a JSONL of chat `messages` is expected)")
     if not _is_loopback(inf.host) and not inf.api_key:

@@ -15,3 +15,10 @@ class EnvConfig:
     # merged over `args` for evaluation: the env's held-out split (e.g. reverse-text's {stream: eval}); the default
     # online eval env when there is one (primerl.eval.config)
     eval_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MixtureEntry(EnvConfig):
+    """One env of a training mixture (`mixture: [...]` at the top of the config; it replaces `env`)."""
+
+    weight: float = 1.0  # sampling weight: each task is drawn from this env with probability weight / sum of weights

@@ -23,6 +23,12 @@ import aiohttp
 import httpx
 import verifiers.v1.clients.base as verifiers_clients
 
+# Idle connections are reused for at most this long: well under vLLM's (uvicorn's) 5 s keep-alive
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). verifiers' limits say 5 s too, and a request sent on a connection the server is
+# closing at that moment fails as "Connection error.", and rollouts that idled together (waiting for a batch cut) would
+# fail together: the likely cause of the bursts (41, then 10 rollouts) in the reverse_text run of 2026-12-03.
+KEEPALIVE_S = 2.0
+
 
 @contextmanager
 def httpx_errors(request: httpx.Request) -> Iterator[None]:
@@ -66,7 +72,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if self.session is None or self.session.closed:
             connector = aiohttp.TCPConnector(
                 limit=self.limits.max_connections or 0,  # 0: no limit, as httpx's None
-                keepalive_timeout=self.limits.keepalive_expiry,
+                keepalive_timeout=min(self.limits.keepalive_expiry or KEEPALIVE_S, KEEPALIVE_S),
             )
             self.session = aiohttp.ClientSession(  # cookies and decoding stay httpx's
                 connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()

@@ -44,7 +44,8 @@ def sft_needed(cfg: RunConfig) -> bool:
     if not cfg.sft.enabled:
         return False
     if not sft_applies(cfg):
-        log.warning(f"no SFT warm-start: no demonstrations for env.id={cfg.env.id} (primerl generates them for "
+        env = "a mixture" if cfg.mixture else f"env.id={cfg.env.id}"
+        log.warning(f"no SFT warm-start: no demonstrations for {env} (primerl generates them for "
                     f"{', '.join(GENERATED_DEMONSTRATIONS)}; give yours with sft.data=FILE.jsonl); "
                     "RL starts from the base model")  # fmt: skip
         return False

@@ -85,7 +85,8 @@ def description(cfg: RunConfig, kind: str) -> str:
         return (f"{cfg.name}: evaluation of {e.model or f'{e.run} step {e.step}'} on env {cfg.env.id}, "
                 f"{e.num_tasks} tasks x {e.samples_per_task} rollouts at temperature {e.temperature}.")  # fmt: skip
     o = cfg.orchestrator
-    return (f"{cfg.name}: RL on env {cfg.env.id} with model {model}, {cfg.trainer.max_steps} steps of "
+    envs = " + ".join(f"{e.id} ({e.weight:g})" for e in cfg.mixture) if cfg.mixture else cfg.env.id
+    return (f"{cfg.name}: RL on env {envs} with model {model}, {cfg.trainer.max_steps} steps of "
             f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
             f"async_level {o.async_level}, launcher {cfg.launcher.name}.")  # fmt: skip
 

@@ -20,10 +20,10 @@ GENERATED_DEMONSTRATIONS = ("reverse-text",)
 
 def sft_data_source(cfg: RunConfig) -> str | None:
     """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file), the env's own generator
-    (`generated:<env id>`), or None when there are none for this env."""
+    (`generated:<env id>`), or None when there are none for this env (or a mixture of envs)."""
     if cfg.sft.data:
         return str(Path(cfg.sft.data).expanduser().resolve())
-    if cfg.env.id in GENERATED_DEMONSTRATIONS:
+    if not cfg.mixture and cfg.env.id in GENERATED_DEMONSTRATIONS:
         return f"generated:{cfg.env.id}"
     return None
 

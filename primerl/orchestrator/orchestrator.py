@@ -30,11 +30,12 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
+from primerl.envs.mixture import env_of
 from primerl.metrics import OrchestratorMetric as M
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.dispatcher import Dispatcher
@@ -59,12 +60,14 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig, max_steps: int, source: TaskSource, runner: RolloutRunner,
                  writer: BatchWriter, policy: Policy, start_step: int = 0, serving: Callable[[], bool] = lambda: True,
                  on_failed_group: Callable[[], None] = lambda: None, recoveries: Callable[[], int] = lambda: 0,
-                 weight_load_s: Callable[[], float] = lambda: 0.0, idle: IdleSampler | None = None):  # fmt: skip
+                 weight_load_s: Callable[[], float] = lambda: 0.0, idle: IdleSampler | None = None,
+                 env_names: list[str] | None = None):  # fmt: skip
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
         # from the watcher, when wired: is the server up, check it, its recoveries and seconds paused for loads so far
         self.serving, self.on_failed_group, self.recoveries = serving, on_failed_group, recoveries
         self.weight_load_s, self.idle = weight_load_s, idle
+        self.env_names = env_names or []  # a mixture's envs: per-env metrics env/<name>/...
         self.sink = Sink(cfg.batch_size, cfg.off_policy_bound)
         self.dispatcher = Dispatcher(source, runner, policy, cfg.group_size, cfg.max_inflight, cfg.rollout_timeout_s,
                                      self._deliver, self.may_admit)  # fmt: skip
@@ -229,9 +232,38 @@ class Orchestrator:
         if len(reward_fns) > 1:  # with one reward function reward/<fn> would repeat reward/mean
             for name in reward_fns:
                 stats[f"reward/{name}"] = statistics.fmean(r.rewards[name] for r in rollouts if name in r.rewards)
+        for name in self.env_names:
+            rewards = [s.reward for s in samples if env_of(s.task_key, [name])]
+            stats[f"env/{name}/samples"] = float(len(rewards))
+            if rewards:
+                stats[f"env/{name}/reward_mean"] = statistics.fmean(rewards)
         for name in sorted({name for r in rollouts for name in r.metrics}):
             stats[f"metric/{name}"] = statistics.fmean(r.metrics[name] for r in rollouts if name in r.metrics)
         return stats
+
+
+async def training_envs(cfg: RunConfig, model_path: str,
+                        stack: contextlib.AsyncExitStack) -> tuple[RolloutRunner, Iterable, list[str]]:  # fmt: skip
+    """The rollout runner and task stream of the training env, or of the `mixture` (primerl.envs.mixture) with its
+    env names; every env served inside `stack`."""
+    from primerl.envs.mixture import MixtureRunner, mixed_tasks
+    from primerl.envs.verifiers_env import env_runner, load_env
+
+    orch = cfg.orchestrator
+    runners, streams = {}, {}
+    for entry in cfg.mixture or [cfg.env]:
+        env = load_env(entry)
+        await stack.enter_async_context(env.serving())
+        runners[entry.id] = env_runner(env, model_path, cfg.inference, orch.temperature, orch.max_tokens,
+                                       orch.sampling_args)  # fmt: skip
+        streams[entry.id] = env.taskset
+    if not cfg.mixture:
+        return runners[cfg.env.id], streams[cfg.env.id], []
+    weights = {entry.id: entry.weight for entry in cfg.mixture}
+    log.info(
+        "training on a mixture: %s", ", ".join(f"{name} {w / sum(weights.values()):.2f}" for name, w in weights.items())
+    )
+    return MixtureRunner(runners), mixed_tasks(streams, weights, cfg.seed), list(runners)
 
 
 async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
@@ -247,12 +279,11 @@ async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
     e, orch = cfg.eval, cfg.orchestrator
     if not e.every:
         return None
-    envs = list(e.envs)
-    if not envs and cfg.env.eval_args:
-        envs = [dataclasses.replace(cfg.env, args={**cfg.env.args, **cfg.env.eval_args})]
+    envs = list(e.envs) or [dataclasses.replace(entry, args={**entry.args, **entry.eval_args})
+                            for entry in cfg.mixture or [cfg.env] if entry.eval_args]  # fmt: skip
     if not envs:
-        log.warning("eval.every=%d but no eval.envs and env %s has no held-out split (env.eval_args): no online "
-                    "evals", e.every, cfg.env.id)  # fmt: skip
+        log.warning("eval.every=%d but no eval.envs and no training env has a held-out split (env.eval_args): no "
+                    "online evals", e.every)  # fmt: skip
         return None
     suites = []
     for env_cfg in envs:
@@ -269,7 +300,6 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     """The real thing: a verifiers env through the train client, a vLLM server, the run directory."""
     from transformers import AutoTokenizer
 
-    from primerl.envs.verifiers_env import env_runner, load_env
     from primerl.model.start import initial_model_path
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.watcher import Watcher
@@ -278,27 +308,26 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     run_dir = Path(cfg.output_dir)
     model_path = initial_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    env = load_env(cfg.env)
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
-    runner = env_runner(env, model_path, inf, orch.temperature, orch.max_tokens, orch.sampling_args)
     writer = BatchWriter(run_dir, cfg.trainer.seq_len, cfg.trainer.micro_batch_size, tokenizer.pad_token_id)
     start, position = writer.resume_point()
     if start:
         log.info("resuming at step %d, task %d", start, position)
-    async with (InferenceClient(f"http://{inf.host}:{inf.port}", inf.api_key) as client, env.serving(),
-                contextlib.AsyncExitStack() as eval_envs):  # fmt: skip
-        online_eval = await online_evals(cfg, model_path, run_dir, eval_envs)
+    async with (InferenceClient(f"http://{inf.host}:{inf.port}", inf.api_key) as client,
+                contextlib.AsyncExitStack() as served_envs):  # fmt: skip
+        runner, tasks, env_names = await training_envs(cfg, model_path, served_envs)
+        online_eval = await online_evals(cfg, model_path, run_dir, served_envs)
         await client.wait_healthy(inf.startup_timeout_s)
         policy = Policy(await client.policy_version())
         watcher = Watcher(run_dir, client, policy, orch.weight_poll_s, inf.startup_timeout_s,
                           before_load=online_eval.before_load if online_eval else None)  # fmt: skip
         idle = IdleSampler(client.running_requests)
-        orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(env.taskset, position),
+        orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(tasks, position),
                                     runner, writer, policy, start, serving=lambda: watcher.serving,
                                     on_failed_group=watcher.check_health, recoveries=lambda: watcher.recoveries,
-                                    weight_load_s=lambda: watcher.load_s, idle=idle)  # fmt: skip
+                                    weight_load_s=lambda: watcher.load_s, idle=idle, env_names=env_names)  # fmt: skip
         watcher.on_change = orchestrator.notify
         await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
         helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]
