@@ -98,9 +98,7 @@ def test_sampled_rollouts_become_traces_exactly_once(tmp_path):
         f.write("\n" + json.dumps(rows[2]) + "\n")
     MetricsFollower(ledger, sample_every=2).poll()  # a resumed driver: step 2 once, step 0 not again
     client = ledger.client
-    traces = client.search_traces(
-        experiment_ids=[ledger.experiment_id], run_id=ledger.run_id, order_by=["timestamp_ms ASC"]
-    )
+    traces = client.search_traces(locations=[ledger.experiment_id], run_id=ledger.run_id, order_by=["timestamp_ms ASC"])
     assert [t.info.tags["primerl.step"] for t in traces] == ["0", "2"]
     spans = {s.name: s for s in traces[0].data.spans}
     root = spans["rollout"]
