@@ -65,6 +65,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.path", "required when model.source=path")
     if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
         raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
+    if cfg.eval.k > cfg.eval.samples_per_task:  # pass@k and avg@k, of `eval` and of the online evals
+        raise ConfigError("eval.k", f"{cfg.eval.k} exceeds eval.samples_per_task={cfg.eval.samples_per_task}")
     for i, entry in enumerate(cfg.mixture):
         if not entry.weight > 0:
             raise ConfigError(f"mixture[{i}].weight", f"{entry.weight} is not a positive sampling weight")

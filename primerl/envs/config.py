@@ -1,5 +1,6 @@
 """Env group: which verifiers environment rollouts come from."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,10 @@ class EnvConfig:
     # merged over `args` for evaluation: the env's held-out split (e.g. reverse-text's {stream: eval}); the default
     # online eval env when there is one (primerl.eval.config)
     eval_args: dict[str, Any] = field(default_factory=dict)
+
+    def held_out(self) -> "EnvConfig":
+        """This env with `eval_args` merged over `args`: its held-out split (itself when it names none)."""
+        return dataclasses.replace(self, args={**self.args, **self.eval_args})
 
 
 @dataclass

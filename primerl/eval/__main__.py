@@ -49,8 +49,6 @@ def model_to_evaluate(cfg: RunConfig) -> tuple[str, int | None]:
     e = cfg.eval
     if (e.model is None) == (e.run is None):
         raise ConfigError("eval.model", "give exactly one of eval.model=<model dir> or eval.run=<run dir>")
-    if e.k > e.samples_per_task:
-        raise ConfigError("eval.k", f"{e.k} exceeds eval.samples_per_task={e.samples_per_task}")
     if e.model is not None:
         path = Path(e.model).expanduser()
         if not (path / "config.json").exists():
@@ -70,7 +68,7 @@ def held_out_env(cfg: RunConfig) -> EnvConfig:
     if not cfg.env.eval_args:
         log.warning(f"env {cfg.env.id} has no held-out split (env.eval_args): evaluating on its own tasks")
         return cfg.env
-    return dataclasses.replace(cfg.env, args={**cfg.env.args, **cfg.env.eval_args})
+    return cfg.env.held_out()
 
 
 def evaluate(cfg: RunConfig, model_path: str) -> dict:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from primerl.config.schema import RunConfig
 from primerl.ledger.system_info import system_tags
+from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER
 from primerl.transport.atomic import atomic_file
 from primerl.transport.run_dir import ledger_record_path
 
@@ -218,7 +219,7 @@ class MetricsFollower:
 
     SAMPLES = "samples"
 
-    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = ("orchestrator", "trainer", "eval"),
+    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = (ORCHESTRATOR, TRAINER, EVAL),
                  sample_every: int = 1):  # fmt: skip
         self.ledger = ledger
         self.sample_every = sample_every

@@ -270,7 +270,6 @@ async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
                        stack: contextlib.AsyncExitStack) -> "OnlineEval | None":  # fmt: skip
     """The online evals of `eval.every`, their envs served inside `stack`; None when off or there is nothing to
     evaluate (no `eval.envs` and no held-out split, `env.eval_args`, of the training env)."""
-    import dataclasses
     import itertools
 
     from primerl.envs.verifiers_env import env_runner, load_env
@@ -279,8 +278,7 @@ async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
     e, orch = cfg.eval, cfg.orchestrator
     if not e.every:
         return None
-    envs = list(e.envs) or [dataclasses.replace(entry, args={**entry.args, **entry.eval_args})
-                            for entry in cfg.mixture or [cfg.env] if entry.eval_args]  # fmt: skip
+    envs = list(e.envs) or [entry.held_out() for entry in cfg.mixture or [cfg.env] if entry.eval_args]
     if not envs:
         log.warning("eval.every=%d but no eval.envs and no training env has a held-out split (env.eval_args): no "
                     "online evals", e.every)  # fmt: skip
