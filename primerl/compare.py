@@ -18,7 +18,7 @@ from primerl.plot import plot_curves
 
 REWARD = "orchestrator/reward/mean"
 FINAL_METRICS = (REWARD, "trainer/loss", "trainer/mismatch_kl", "orchestrator/rollouts/failed")
-RESULT_PARAMS = ("sft.result.reward_after",)
+RESULT_PARAMS = ("sft.result.loss_final",)
 NOISY_PARAMS = ("output_dir", "hydra", "cache_dir")
 
 

@@ -10,7 +10,7 @@ from primerl.plot import plot_curves
 from primerl.transport.run_dir import samples_path, weights_path
 from primerl.transport.weights import latest_stable_version
 
-SFT_RESULTS = ("reward_before", "reward_after", "train_wall_s")
+SFT_RESULTS = ("loss_final", "train_wall_s")
 
 
 def record_sft(ledger: Ledger, metrics_file: Path) -> None:

@@ -7,9 +7,10 @@ a metrics row the predecessor died before writing comes back from its batch's me
 """
 
 import json
+import time
 from pathlib import Path
 
-from primerl.metrics import ORCHESTRATOR, append_metrics, append_metrics_once
+from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, append_metrics, append_metrics_once
 from primerl.orchestrator.batch import build_batch
 from primerl.transport.batches import Sample, read_rollout_batch, write_rollout_batch
 from primerl.transport.run_dir import rollout_path, samples_path
@@ -35,8 +36,11 @@ class BatchWriter:
 
     def write(self, step: int, samples: list[Sample], metrics: dict[str, float], data_position: int,
               examples: list[dict]) -> None:  # fmt: skip
+        started = time.perf_counter()
         batch = build_batch(samples, step, self.seq_len, self.micro_batch_size, self.pad_id, metrics, data_position)
         write_rollout_batch(self.run_dir, batch)
+        # only in the metrics row: the batch file's own copy of the metrics was written before this was known
+        metrics = {**metrics, OrchestratorMetric.WRITE_BATCH_S: time.perf_counter() - started}
         append_metrics(self.run_dir, ORCHESTRATOR, step, metrics)
         path = samples_path(self.run_dir)
         with open(path, "a") as f:

@@ -157,19 +157,6 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     return losses
 
 
-def held_out_rewards(cfg: RunConfig, out_dir: Path) -> dict[str, float]:
-    """Greedy reward on held-out reverse-text tasks, before and after SFT."""
-    from primerl.evaluate import rewards
-
-    eval_texts = make_texts(stream_seed(cfg.seed, "eval"), cfg.sft.num_eval, *text_lengths(cfg))
-
-    def greedy_reward(model_dir: str) -> float:
-        values = rewards(model_dir, eval_texts, temperature=0.0, seed=cfg.seed)
-        return sum(values) / len(values)
-
-    return {"reward_before": greedy_reward(base_model_path(cfg)), "reward_after": greedy_reward(str(out_dir))}
-
-
 @hydra_app()
 def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
@@ -186,8 +173,8 @@ def main(dict_cfg: DictConfig) -> None:
         wall_s = time.perf_counter() - started
         if info.is_main:
             metrics = {
-                **(held_out_rewards(cfg, out_dir) if cfg.env.id == "reverse-text" else {}),
                 "losses": losses,
+                "loss_final": losses[-1],
                 "train_wall_s": wall_s,
                 "world_size": info.world_size,
                 "checkpoint": str(out_dir),
@@ -202,9 +189,8 @@ def main(dict_cfg: DictConfig) -> None:
                 ledger = Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve(), kind="sft")
                 record_sft(ledger, metrics_file)
                 ledger.finish()
-            result = (f"held-out reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}"
-                      if "reward_after" in metrics else f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")  # fmt: skip
-            log.info(f"{result} in {wall_s:.0f}s; checkpoint {out_dir}")
+            log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {wall_s:.0f}s; checkpoint {out_dir}")
+            log.info(f"to score it on held-out tasks: python -m primerl.eval <these overrides> eval.model={out_dir}")
     finally:
         close_distributed()
 

@@ -10,15 +10,16 @@ class SftConfig:
     # Runs only where there are demonstrations: `data`, or the env's own generator (primerl.model.start); otherwise
     # RL starts from the base model with a notice.
     enabled: bool = True
-    # A chat dataset: JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line; the loss is on every
-    # assistant message. None: the env's generated demonstrations (reverse-text).
+    # A chat dataset: JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line, or a Hugging Face
+    # `datasets` directory (save_to_disk) with a `messages` column; the loss is on every assistant message.
+    # None: the env's generated demonstrations (reverse-text). The held-out score is primerl.eval's (or the step-0
+    # online eval of `train`); SFT itself reports its loss.
     data: str | None = None
     steps: int = bounded(1500, ge=1)
     batch_size: int = bounded(32, ge=1)  # sequences per optimizer step, across all ranks
     seq_len: int = bounded(256, ge=2)  # packed row length
     lr: float = bounded(3e-3, gt=0)
     warmup_steps: int = bounded(50, ge=0)
-    num_eval: int = bounded(64, ge=1)
     # Fraction of demonstrations written in capitals (the reward is case-sensitive): a sloppy teacher, so the
     # warm-start has a habit for RL to unlearn (experiments/reverse_text). 0: every demonstration is correct.
     uppercase_fraction: float = bounded(0.0, ge=0, lt=1)

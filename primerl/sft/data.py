@@ -4,6 +4,7 @@
 """
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,33 +46,64 @@ def conversation_example(tokenizer, messages: list[dict[str, str]]) -> Example:
 
 
 def load_conversations(path: str) -> list[list[dict[str, str]]]:
-    """A chat dataset for `sft.data`: JSONL, one {"messages": [...]} per line, each with an assistant message.
-    Any bad row is a ConfigError naming `sft.data`, the line and what is wrong."""
+    """A chat dataset for `sft.data`: a JSONL file, one {"messages": [...]} per line, or a Hugging Face `datasets`
+    directory (`save_to_disk`; a DatasetDict's "train" split) with a `messages` column. Each conversation needs an
+    assistant message. Any bad row is a ConfigError naming `sft.data`, the row and what is wrong."""
+    conversations = [_conversation(where, row) for where, row in _rows(path)]
+    if not conversations:
+        raise ConfigError("sft.data", f"{path} holds no conversations")
+    return conversations
+
+
+def _rows(path: str) -> Iterator[tuple[str, object]]:
+    """(where, row) for each row of the dataset at `path`; `where` names the row in errors."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        for index, row in enumerate(_dataset_dir(path, file)):
+            yield f"{path} row {index}", row
+        return
     if not file.is_file():
-        raise ConfigError("sft.data", f"{path} is not a file (a JSONL of chat `messages` is expected)")
-    conversations = []
+        raise ConfigError("sft.data", f"{path} is neither a JSONL file nor a datasets directory")
     with file.open() as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            where = f"{path} line {number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ConfigError("sft.data", f"{where} is not JSON ({err.msg})") from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise ConfigError("sft.data", f"{where} has no 'messages' list")
-            for m in messages:
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise ConfigError("sft.data", f"{where}: every message needs a string 'role' and 'content'")
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ConfigError("sft.data", f"{where} has no assistant message to learn")
-            conversations.append([{"role": m["role"], "content": m["content"]} for m in messages])
-    if not conversations:
-        raise ConfigError("sft.data", f"{path} holds no conversations")
-    return conversations
+                raise ConfigError("sft.data", f"{path} line {number} is not JSON ({err.msg})") from None
+            yield f"{path} line {number}", row
+
+
+def _dataset_dir(path: str, directory: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("sft.data", f"{path} is a directory: reading a datasets directory needs `pip install "
+                          "datasets`") from None  # fmt: skip
+    try:
+        dataset = datasets.load_from_disk(str(directory))
+    except FileNotFoundError:
+        raise ConfigError("sft.data", f"{path} is not a datasets directory (written by save_to_disk)") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise ConfigError("sft.data", f"{path} has splits {sorted(dataset)} and no 'train' split")
+        dataset = dataset["train"]
+    if "messages" not in dataset.column_names:
+        raise ConfigError("sft.data", f"{path} has no 'messages' column (columns: {dataset.column_names})")
+    return dataset
+
+
+def _conversation(where: str, row: object) -> list[dict[str, str]]:
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError("sft.data", f"{where} has no 'messages' list")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError("sft.data", f"{where}: every message needs a string 'role' and 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError("sft.data", f"{where} has no assistant message to learn")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 @dataclass

@@ -117,8 +117,11 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         path, waited = wait_for_batch(run_dir, step)
         t0 = time.perf_counter()
         batch = read_rollout_batch(path)
+        read_s = time.perf_counter() - t0
         totals = {"kl": 0.0, "masked": 0.0, "entropy": 0.0, "tokens": 0.0, "loss": 0.0}
+        forward_s = backward_s = 0.0
         for micro in rank_micro_batches(batch.micro_batches, info.rank // cp, dp):
+            t_forward = time.perf_counter()
             micro = {k: v.to(info.device) for k, v in micro.items()}
             if context:
                 with context.inputs(micro) as (input_ids, position_ids):
@@ -127,13 +130,17 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             else:
                 logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
             parts = policy_loss(logits, micro, batch.num_loss_tokens, cfg.trainer.loss, cfg.orchestrator.temperature)
+            t_backward = time.perf_counter()
+            forward_s += t_backward - t_forward
             # FSDP2 averages gradients over ranks; the loss is already a share of the global mean
             (parts.loss * info.world_size).backward()
+            backward_s += time.perf_counter() - t_backward
             totals["loss"] += parts.loss.item()
             totals["kl"] += parts.mismatch_kl_sum
             totals["masked"] += parts.masked_tokens
             totals["entropy"] += parts.entropy_sum
             totals["tokens"] += parts.tokens
+        t_optimizer = time.perf_counter()
         scale_expert_grads(expert_params, info.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)  # global: equal on all ranks
         totals = {k: all_reduce_sum(v, info.device) for k, v in totals.items()}
@@ -149,7 +156,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
                 raise RunError(f"{nonfinite} steps in a row had a non-finite loss or gradient norm (last: step "
                                f"{step}); the run stops at its last finite checkpoint")  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
-        step_s = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        step_s = t_end - t0
         tokens = max(totals["tokens"], 1.0)
         metrics = {
             "loss": totals["loss"],
@@ -159,6 +167,12 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             "grad_norm": float(grad_norm),
             "time/step_s": step_s,
             "time/wait_batch_s": waited,
+            # step_s = read + forward + backward + optimizer (with the clip's all-reduce). Host times: on CUDA the
+            # split is approximate (kernels run async; .item() syncs), the sum exact.
+            "time/read_batch_s": read_s,
+            "time/forward_s": forward_s,
+            "time/backward_s": backward_s,
+            "time/optimizer_s": t_end - t_optimizer,
             "throughput/tokens_per_s": sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
             "batch/min_policy_version": float(batch.min_policy_version),
             "update_skipped": float(not applied),
@@ -168,8 +182,11 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.trainer.max_steps:
                 save_checkpoint(model, optimizer, run_dir, step + 1, metrics, cfg.trainer.keep_checkpoints,
                                 info.is_main)  # fmt: skip
+            t2 = time.perf_counter()
             publish(model, base, run_dir, step + 1, info)
-        metrics["time/save_s"] = time.perf_counter() - t1
+        metrics["time/checkpoint_s"] = t2 - t1
+        metrics["time/publish_s"] = time.perf_counter() - t2
+        metrics["time/save_s"] = time.perf_counter() - t1  # checkpoint + publish
         if info.is_main:
             if step not in logged:
                 append_metrics(run_dir, "trainer", step, metrics)
