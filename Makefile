@@ -29,10 +29,10 @@ sft: install
 
 # the default suite (19–28 min here); `long` tests (several minutes each) run in CI after it, or with `make test-long`
 test: install
-	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" --durations=15 $(PYTEST_ARGS)
 
 test-long: install
-	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m long --durations=5 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not long" $(PYTEST_ARGS)

@@ -9,7 +9,8 @@ left out), each phase's median and [min-max] in seconds:
   AdamW), checkpoint (model + AdamW moments + sha256), publish (full weights for vLLM);
 - orchestrator, one row per batch cut: the time since the previous cut (generation), of which waiting for a newer
   policy (async_level) and the server paused for weight loads, and packing + writing the trainer's batch file;
-- the step's wall time: the median gap between the trainer's consecutive rows.
+- the step's wall time: the gaps between the trainer's consecutive rows (median and range, and their mean, which
+  counts the slow steps a median hides), and the whole command's wall time (vLLM start-up and shutdown included).
 With `--vs OVERRIDE ...` a second run with those overrides follows the first, and a last column gives the ratio
 of the medians (second / first): one command, two configurations, measured side by side.
 """
@@ -30,6 +31,8 @@ TRAINER_PHASES = ["time/wait_batch_s", "time/read_batch_s", "time/forward_s", "t
 ORCHESTRATOR_PHASES = ["time/generate_s", "time/wait_policy_s", "time/weight_load_s", "time/write_batch_s",
                        "time/rollout_median_s", "inference/idle_fraction"]  # fmt: skip
 STEP_WALL = "step wall (row gap)"
+MEAN_STEP = "step wall (mean over the span)"
+COMMAND = "whole command"
 
 
 def run(steps: int, overrides: list[str], run_dir: Path) -> dict[str, list[float]]:
@@ -41,18 +44,20 @@ def run(steps: int, overrides: list[str], run_dir: Path) -> dict[str, list[float
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"run failed ({' '.join(overrides) or 'defaults'}):\n{result.stderr[-3000:]}")
-    print(f"  {steps} steps in {time.perf_counter() - started:.0f} s (whole command, vLLM start-up included)")
+    command_s = time.perf_counter() - started
+    print(f"  {steps} steps in {command_s:.0f} s (whole command, vLLM start-up included)")
     trainer, orch = read_metrics(run_dir, TRAINER), read_metrics(run_dir, ORCHESTRATOR)
     phases = {f"trainer {k.removeprefix('time/')}": [r[k] for r in trainer if r.get(k) is not None]
               for k in TRAINER_PHASES}  # fmt: skip
     phases |= {f"orchestrator {k.removeprefix('time/')}": [r[k] for r in orch if r.get(k) is not None]
                for k in ORCHESTRATOR_PHASES}  # fmt: skip
     phases[STEP_WALL] = [b["time"] - a["time"] for a, b in zip(trainer, trainer[1:])]
+    phases[COMMAND] = [command_s]
     return phases
 
 
 def steady(values: list[float], skip: int) -> list[float]:
-    return values[skip:] or values
+    return values[skip:] or values  # one-value rows (the whole command) stay
 
 
 def cell(values: list[float]) -> str:
@@ -74,6 +79,8 @@ def main() -> None:
         for name, overrides in variants.items():
             print(f"{name}: {' '.join(overrides) or '(defaults)'}", flush=True)
             results[name] = run(args.steps, overrides, Path(root) / name.replace(" ", ""))
+            gaps = steady(results[name][STEP_WALL], args.skip)
+            results[name][MEAN_STEP] = [statistics.mean(gaps)] if gaps else []
     print(f"\nsteps {args.skip}..{args.steps - 1}: median [min-max], seconds (idle_fraction: a fraction)")
     print(f"{'phase':<34}" + "".join(f"{name:>26}" for name in results) + ("   ratio" if args.vs else ""))
     for phase in results["run 1"]:

@@ -3,6 +3,9 @@ per-update cache salt, the key on every route, refusals."""
 
 import asyncio
 import math
+import os
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -193,6 +196,29 @@ def test_start_failure_reports_the_log_tail(tmp_path):
         (server := VllmServer(spec, tmp_path / "bad.log")).start(timeout_s=300)
     assert "last lines of" in str(info.value)
     assert server.tmp_dir is None  # cleaned up on the failed start too
+
+
+def _session_cpu_s(session_id: int) -> float:
+    """CPU seconds used so far by every live process of a session (the server and its engine and worker)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id:  # fields after the name: state ppid pgrp session ... utime(11) stime(12)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_server_gives_its_cores_back(server):
+    """vLLM's worker busy-waits 1 s after each engine step; inference.cpu_idle_spin_s (0.005) cuts that, so in the
+    second after a request the server's processes use a fraction of a core, not a whole one."""
+    _generate(server, [1, 2, 3], max_tokens=4)
+    before, started = _session_cpu_s(server.process.pid), time.monotonic()
+    time.sleep(0.8)
+    used = (_session_cpu_s(server.process.pid) - before) / (time.monotonic() - started)
+    assert used < 0.5, f"the idle server used {used:.2f} cores"
 
 
 def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():

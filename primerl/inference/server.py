@@ -22,6 +22,7 @@ from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
 from primerl.inference.guard import API_KEY_ENV
+from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.run_dir import weights_root
 from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
 from primerl.utils.parent_death import dies_with_parent
@@ -104,6 +105,8 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         env[API_KEY_ENV] = inf.api_key
     if device == "cpu":
         env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        if inf.cpu_idle_spin_s is not None:
+            env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
     if not inf.pd.enabled:
         return [ServerSpec(args + ["--port", str(inf.port)], env, inf.host, inf.port)]
     specs = []

@@ -16,6 +16,33 @@ from primerl.transport.atomic import STABLE_MARKER
 from primerl.transport.weights import WEIGHTS_DIR_ENV, inside
 
 log = logging.getLogger(__name__)
+IDLE_SPIN_ENV = "PRIMERL_VLLM_IDLE_SPIN_S"  # set by primerl.inference.server from inference.cpu_idle_spin_s
+
+
+def shorten_idle_spin(busy_loop_s: float) -> bool:
+    """Cap how long this worker's shared-memory queue readers busy-wait after their last message (vLLM 0.32:
+    `SpinCondition.busy_loop_s`, 1 s, then a socket poll that a writer's notify wakes). Returns whether it applied:
+    a vLLM without that class keeps its own behaviour, with a warning."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        SpinCondition = None
+    if SpinCondition is None or not hasattr(SpinCondition, "wait"):
+        log.warning("primerl: this vLLM has no SpinCondition; %s is ignored", IDLE_SPIN_ENV)
+        return False
+    original = SpinCondition.wait
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        if self.is_reader and self.busy_loop_s > busy_loop_s:
+            self.busy_loop_s = busy_loop_s
+        return original(self, timeout_ms)
+
+    SpinCondition.wait = wait
+    return True
+
+
+if os.environ.get(IDLE_SPIN_ENV):  # imported by vLLM in each worker process (--worker-extension-cls)
+    shorten_idle_spin(float(os.environ[IDLE_SPIN_ENV]))
 
 
 class PrimerlWorkerExtension:

@@ -11,6 +11,9 @@ class LauncherConfig:
     # The trainer's ranks: trainer_nodes x trainer_tasks_per_node (local: nodes must be 1; torchrun on this machine).
     trainer_nodes: int = bounded(1, ge=1)
     trainer_tasks_per_node: int = bounded(1, ge=1)
+    # local: OMP/torch threads per trainer rank. None: on CPU the cores vLLM does not pin (cores - 1), on GPU torch's
+    # default. benchmarks/step_profile.py measures the trade: more threads, more contention with vLLM.
+    trainer_threads: int | None = bounded(None, ge=1)
     # SLURM only (primerl/launch/slurm.py): one job each for inference, orchestrator and trainer (and SFT if needed).
     partition: str | None = None
     account: str | None = None

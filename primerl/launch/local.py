@@ -50,9 +50,10 @@ class LocalLauncher:
         self._spawn("inference", module_command("primerl.inference", overrides, self.run_dir), child_env())
         self._spawn("orchestrator", module_command("primerl.orchestrator", overrides, self.run_dir),
                     child_env(threads=1))  # fmt: skip
-        # on CPU, vLLM pins one core; the trainer gets the rest
+        # on CPU, vLLM pins one core; by default the trainer gets the rest
+        threads = self.cfg.launcher.trainer_threads or (max(1, (os.cpu_count() or 2) - 1) if cpu else None)
         self._spawn("trainer", module_command("primerl.trainer", overrides, self.run_dir, nproc),
-                    child_env(threads=max(1, (os.cpu_count() or 2) - 1) if cpu else None) | LOOPBACK_GLOO)  # fmt: skip
+                    child_env(threads=threads) | LOOPBACK_GLOO)  # fmt: skip
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = log_path(self.run_dir, name)
