@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -166,7 +167,19 @@ def test_real_mlflow_server_on_loopback(tmp_path):
         ledger.log_metrics(0, {"reward/mean": 0.25}, "orchestrator/")
         (tmp_path / "note.txt").write_text("hello")
         ledger.log_artifact(tmp_path / "note.txt")
+        samples = tmp_path / "run" / "rollouts" / "samples.jsonl"
+        samples.parent.mkdir(parents=True)
+        samples.write_text(json.dumps(_sample_row(0, 2)) + "\n")
+        MetricsFollower(ledger, sample_every=1).poll()
         ledger.finish()
+        # what the web UI's Traces tab asks the server (MLflow 3.17's JS bundle: POST ajax-api/3.0/mlflow/traces/search)
+        found = httpx.post(f"http://127.0.0.1:{port}/ajax-api/3.0/mlflow/traces/search", timeout=30, json={
+            "locations": [{"type": "MLFLOW_EXPERIMENT", "mlflow_experiment": {"experiment_id": ledger.experiment_id}}],
+            "max_results": 100})  # fmt: skip
+        assert found.status_code == 200, found.text
+        (trace,) = found.json()["traces"]
+        tags = {t["key"]: t["value"] for t in trace["tags"]} if isinstance(trace["tags"], list) else trace["tags"]
+        assert tags["primerl.step"] == "0" and trace["trace_metadata"]["mlflow.sourceRun"] == ledger.run_id
         client = MlflowClient(f"http://127.0.0.1:{port}")
         run = client.get_run(ledger.run_id)
         assert run.data.metrics["orchestrator/reward/mean"] == 0.25 and run.info.status == "FINISHED"
