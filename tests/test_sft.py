@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from primerl.config.errors import ConfigError
 from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
+from primerl.model.start import data_digest
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.__main__ import demonstrations, packed_loss_sum
 from primerl.sft.data import IGNORE, chat_example, conversation_example, load_conversations, pack
@@ -66,6 +67,12 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "dd")
     expected = load_conversations(str(jsonl))
     assert load_conversations(str(tmp_path / "ds")) == expected == load_conversations(str(tmp_path / "dd"))
+    # the SFT cache key covers the directory's contents: the same rows keep it, other rows change it
+    key = data_digest(str(tmp_path / "ds"))
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds2")
+    assert data_digest(str(tmp_path / "ds2")) == key != data_digest(str(tmp_path / "dd"))
+    datasets.Dataset.from_list(rows[:2]).save_to_disk(tmp_path / "ds2")
+    assert data_digest(str(tmp_path / "ds2")) != key
 
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "no_train")
     datasets.Dataset.from_list([{"text": "hi"}]).save_to_disk(tmp_path / "no_messages")

@@ -19,7 +19,7 @@ GENERATED_DEMONSTRATIONS = ("reverse-text",)
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:
-    """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file), the env's own generator
+    """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file or directory), the env's own generator
     (`generated:<env id>`), or None when there are none for this env (or a mixture of envs)."""
     if cfg.sft.data:
         return str(Path(cfg.sft.data).expanduser().resolve())
@@ -35,15 +35,27 @@ def sft_applies(cfg: RunConfig) -> bool:
 
 def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs.
-    With `sft.data`, the file's sha256 is part of the key: an edited dataset trains a new checkpoint."""
+    With `sft.data`, its sha256 is part of the key: an edited dataset trains a new checkpoint."""
     settings = asdict(cfg.sft) | {"save_every": None}
     data = settings.pop("data")
     key_parts = [base_model_path(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
     if data:
-        key_parts.append(hashlib.sha256(Path(data).expanduser().read_bytes()).hexdigest())
+        key_parts.append(data_digest(data))
     key = json.dumps(key_parts, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.path.expanduser(cfg.cache_dir)) / "sft" / f"{cfg.name}-{digest}"
+
+
+def data_digest(data: str) -> str:
+    """sha256 of a dataset file; of a datasets directory, over its files' relative names and bytes in name order."""
+    root = Path(data).expanduser()
+    if not root.is_dir():
+        return hashlib.sha256(root.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode() + b"\0")
+        digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def initial_model_path(cfg: RunConfig) -> str:
