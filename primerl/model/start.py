@@ -19,8 +19,8 @@ GENERATED_DEMONSTRATIONS = ("reverse-text",)
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:
-    """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file or directory), the env's own generator
-    (`generated:<env id>`), or None when there are none for this env (or a mixture of envs)."""
+    """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file or directory), the env's own
+    generator (`generated:<env id>`), or None when there are none for this env (or a mixture of envs)."""
     if cfg.sft.data:
         return str(Path(cfg.sft.data).expanduser().resolve())
     if not cfg.mixture and cfg.env.id in GENERATED_DEMONSTRATIONS:
