@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from primerl.config.cli import check
 from primerl.config.errors import ConfigError
 from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
@@ -66,6 +67,7 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "dd")
     expected = load_conversations(str(jsonl))
+    check(["+experiment=reverse_text", "env=guess_number", f"sft.data={tmp_path / 'ds'}"])  # a directory is accepted
     assert load_conversations(str(tmp_path / "ds")) == expected == load_conversations(str(tmp_path / "dd"))
     # the SFT cache key covers the directory's contents: the same rows keep it, other rows change it
     key = data_digest(str(tmp_path / "ds"))
@@ -167,7 +169,7 @@ def test_sft_from_a_chat_dataset(tmp_path):
     assert (tmp_path / "cache" / "sft").is_dir()
     for bad, why in ((["sft.data=null"], "sft.data: no demonstrations for env.id=guess-number"),
                      ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
-                     ([f"sft.data={data}x"], "is not a file")):  # fmt: skip
+                     ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory")):  # fmt: skip
         result = run_module("primerl.sft", *args, *bad)
         assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1

@@ -72,8 +72,8 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"mixture[{i}].weight", f"{entry.weight} is not a positive sampling weight")
     if len({entry.id for entry in cfg.mixture}) < len(cfg.mixture):
         raise ConfigError("mixture", "each env may appear once (its id names its metrics)")
-    if cfg.sft.data and not Path(cfg.sft.data).expanduser().is_file():
-        raise ConfigError("sft.data", f"{cfg.sft.data} is not a file (a JSONL of chat `messages` is expected)")
+    if cfg.sft.data and not Path(cfg.sft.data).expanduser().exists():  # its rows: primerl.sft.data
+        raise ConfigError("sft.data", f"{cfg.sft.data} is neither a JSONL file nor a datasets directory")
     if not _is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
     par = cfg.parallelism
