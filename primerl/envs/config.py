@@ -11,6 +11,8 @@ from omegaconf import MISSING
 class EnvConfig:
     id: str = MISSING  # a verifiers taskset id; `env=verifiers` asks for it on the command line
     harness: str = "primerl-chat"  # in-process chat loop: no uv, sandbox or network per rollout
+    # the harness's own config fields (primerl-chat: max_turns, token_budget, tool_timeout_s)
+    harness_args: dict[str, Any] = field(default_factory=dict)
     runtime: str = "subprocess"
     args: dict[str, Any] = field(default_factory=dict)  # the taskset's own config fields
     # merged over `args` for evaluation: the env's held-out split (e.g. reverse-text's {stream: eval}); the default

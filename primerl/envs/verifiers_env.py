@@ -16,6 +16,7 @@ from primerl.config.errors import ConfigError
 from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_speed import memoize_default_factory_check
+from primerl.envs.tool_renderer import renderer_config
 from primerl.envs.traces import final_reply, prompt_text, transcript
 
 if TYPE_CHECKING:
@@ -29,7 +30,11 @@ TRANSIENT_RETRIES = {"rules": [{"type": "ProviderError", "message": "Connection 
 def env_config(cfg: EnvConfig) -> dict:
     return {
         "taskset": {"id": cfg.id, **dict(cfg.args)},
-        "agent": {"runtime": {"type": cfg.runtime}, "harness": {"id": cfg.harness}, "retries": TRANSIENT_RETRIES},
+        "agent": {
+            "runtime": {"type": cfg.runtime},
+            "harness": {"id": cfg.harness, **dict(cfg.harness_args)},
+            "retries": TRANSIENT_RETRIES,
+        },
     }
 
 
@@ -43,7 +48,8 @@ def load_env(cfg: EnvConfig) -> vf.Env:
         raise ConfigError("env.id", f"no installed verifiers environment '{cfg.id}' ({err})") from err
     except (ValueError, TypeError, AttributeError) as err:  # pydantic ValidationError is a ValueError
         first = str(err).splitlines()
-        raise ConfigError("env.args", " ".join(line.strip() for line in first[:3])) from err
+        key = "env.harness_args" if any(line.startswith("agent.harness") for line in first) else "env.args"
+        raise ConfigError(key, " ".join(line.strip() for line in first[:3])) from err
 
 
 @dataclass
@@ -130,7 +136,10 @@ def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature
     os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")
     ctx = vf.ModelContext(
         client=vf.TrainClientConfig(
-            base_url=f"http://{inf.host}:{inf.port}/v1", api_key_var=API_KEY_VAR, renderer_model_name=model_path
+            base_url=f"http://{inf.host}:{inf.port}/v1",
+            api_key_var=API_KEY_VAR,
+            renderer_model_name=model_path,
+            renderer=renderer_config(model_path),  # tool calls parsed for the tiny model too
         ),
         model=SERVED_MODEL_NAME,
         sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens, **(sampling_args or {})),

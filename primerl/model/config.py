@@ -27,6 +27,9 @@ class TinyArchConfig:
     num_experts: int = bounded(0, ge=0)  # 0: dense
     num_experts_per_tok: int = bounded(2, ge=1)
     moe_intermediate_size: int = bounded(128, ge=1)
+    # <tool_call> and </tool_call> as single tokens (2 more vocabulary rows): tool-use experiments. Off by default so
+    # the other experiments keep their measured weights.
+    tool_call_tokens: bool = False
 
 
 @dataclass

@@ -15,7 +15,7 @@ from primerl.config.schema import RunConfig
 from primerl.model.resolve import base_model_path
 
 # Environments whose demonstrations primerl generates itself (primerl.sft); any other env needs `sft.data`.
-GENERATED_DEMONSTRATIONS = ("reverse-text",)
+GENERATED_DEMONSTRATIONS = ("reverse-text", "code-lookup")
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:

@@ -19,13 +19,41 @@ from transformers import PreTrainedTokenizerFast
 
 from primerl.model.config import TinyArchConfig
 
-TOKENIZER_VERSION = 1  # bump when the tokenizer or template below changes: it is part of the cache key
+TOKENIZER_VERSION = 2  # bump when the tokenizer or template below changes: it is part of the cache key
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+# Qwen3's chat format, tools included (the Hermes convention, shortened for a 512-position model): the tools' JSON in
+# the system turn (keys sorted, so the prompt is the same whatever order a tool server lists them in), a call as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> in the assistant turn, a result as a user turn wrapped
+# in <tool_response>. Without tools it renders exactly as version 1 did.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '<tools>\n' }}"
+    "{%- for tool in tools %}{{- (tool['function'] if tool['function'] is defined else tool) | tojson(sort_keys=true) }}"
+    "{{- '\n' }}{%- endfor %}"
+    "{{- '</tools><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{- fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 
@@ -43,13 +71,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|>, <|im_start|>, <|im_end|>."""
+def build_tokenizer(tool_call_tokens: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|>, <|im_start|>, <|im_end|>, and with
+    `tool_call_tokens` <tool_call>, </tool_call> (one id each, which the renderers' Hermes tool parser needs)."""
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([END_OF_TEXT, IM_START, IM_END])
+    tok.add_special_tokens(
+        [END_OF_TEXT, IM_START, IM_END] + ([TOOL_CALL_START, TOOL_CALL_END] if tool_call_tokens else [])
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -114,7 +145,7 @@ def build_tiny_model(cache_dir: str, arch: TinyArchConfig, init_seed: int, dtype
             return target
         from transformers import AutoModelForCausalLM
 
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(arch.tool_call_tokens)
         config = _hf_config(arch, tokenizer, dtype)
         torch.manual_seed(init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

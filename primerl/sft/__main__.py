@@ -1,7 +1,7 @@
 """SFT warm-start: `python -m primerl.sft +experiment=reverse_text` (or under torchrun for several ranks).
 
-Trains on demonstrations (generated for reverse-text, or a user's chat dataset `sft.data=FILE.jsonl`) with loss on
-assistant tokens only, packed rows, FSDP2. The loss is normalised by
+Trains on demonstrations (generated for reverse-text and code-lookup, or a user's chat dataset `sft.data=FILE.jsonl`)
+with loss on assistant tokens only, packed rows, FSDP2. The loss is normalised by
 the number of assistant tokens in the global batch, so 1 rank and N ranks compute the same loss and gradients.
 Writes an HF checkpoint to `sft_checkpoint_dir(cfg)` (reused when it already exists) and `sft_metrics.json` to the
 output folder.
@@ -28,7 +28,7 @@ from primerl.config.validate import resolve_dp_shard
 from primerl.envs.reverse_text import make_texts, prompt_messages, stream_seed
 from primerl.model.resolve import base_model_path
 from primerl.model.start import GENERATED_DEMONSTRATIONS, sft_checkpoint_dir, sft_data_source
-from primerl.sft.data import IGNORE, PackedBatch, conversation_example, load_conversations, pack
+from primerl.sft.data import IGNORE, Conversation, PackedBatch, conversation_example, load_conversations, pack
 from primerl.trainer.dist import (
     DistInfo,
     all_reduce_sum,
@@ -87,7 +87,21 @@ def check_demonstrations(cfg: RunConfig) -> None:
                           f"(sft.data=FILE.jsonl); primerl generates them for {', '.join(GENERATED_DEMONSTRATIONS)}")  # fmt: skip
 
 
-def demonstration_batches(cfg: RunConfig) -> Iterator[list[list[dict[str, str]]]]:
+def generated_conversations(cfg: RunConfig, count: int) -> list[Conversation]:
+    """`count` demonstrations from the env's own generator (an env in GENERATED_DEMONSTRATIONS)."""
+    if cfg.env.id == "code-lookup":
+        import code_lookup
+
+        args = {k: cfg.env.args[k] for k in ("salt", "min_len", "max_len") if k in cfg.env.args}
+        return [
+            Conversation(row["messages"], row["tools"]) for row in code_lookup.demonstrations(count, cfg.seed, **args)
+        ]
+    texts = make_texts(stream_seed(cfg.seed, "sft"), count, *text_lengths(cfg))
+    answers = demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)
+    return [Conversation(prompt_messages(t) + [{"role": "assistant", "content": a}]) for t, a in zip(texts, answers)]
+
+
+def demonstration_batches(cfg: RunConfig) -> Iterator[list[Conversation]]:
     """`sft.steps` batches of `sft.batch_size` conversations: from `sft.data` (every pass reshuffled, seeded), or
     generated for the env (`check_demonstrations` first)."""
     size = cfg.sft.batch_size
@@ -102,11 +116,9 @@ def demonstration_batches(cfg: RunConfig) -> Iterator[list[list[dict[str, str]]]
             yield [data[i] for i in order[:size]]
             order = order[size:]
     else:
-        texts = make_texts(stream_seed(cfg.seed, "sft"), cfg.sft.steps * size, *text_lengths(cfg))
-        answers = demonstrations(texts, cfg.sft.uppercase_fraction, cfg.seed)
+        conversations = generated_conversations(cfg, cfg.sft.steps * size)
         for step in range(cfg.sft.steps):
-            yield [prompt_messages(t) + [{"role": "assistant", "content": a}]
-                   for t, a in zip(texts[step * size : (step + 1) * size], answers[step * size : (step + 1) * size])]  # fmt: skip
+            yield conversations[step * size : (step + 1) * size]
 
 
 def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
@@ -129,7 +141,9 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     start = time.perf_counter()
     tokens_seen = 0
     for step, conversations in zip(bar, batches):
-        examples = [conversation_example(tokenizer, c) for c in conversations[info.rank :: info.world_size]]
+        examples = [
+            conversation_example(tokenizer, c.messages, c.tools) for c in conversations[info.rank :: info.world_size]
+        ]
         batch = pack(examples, cfg.sft.seq_len, tokenizer.pad_token_id)
         batch = PackedBatch(*(t.to(info.device) for t in (batch.input_ids, batch.position_ids, batch.labels)))
         global_tokens = all_reduce_sum(batch.num_loss_tokens, info.device)

@@ -22,17 +22,27 @@ class Example:
     loss_mask: list[bool]  # True on the tokens the model must learn to produce
 
 
+@dataclass
+class Conversation:
+    """One SFT conversation: OpenAI-style messages (assistant tool calls in `tool_calls`, results as `tool` messages)
+    and the tools offered to the model, rendered by the chat template as in rollouts."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
 def chat_example(tokenizer, prompt: list[dict[str, str]], answer: str) -> Example:
     return conversation_example(tokenizer, prompt + [{"role": "assistant", "content": answer}])
 
 
-def conversation_example(tokenizer, messages: list[dict[str, str]]) -> Example:
+def conversation_example(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Example:
     """The conversation up to its last assistant message, with the loss on every assistant message (each one's
-    tokens after its generation prompt, through its end-of-turn token)."""
+    tokens after its generation prompt, through its end-of-turn token); tool results are prompt, never loss."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
     def ids(upto: int, generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        text = tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)  # fmt: skip
         return tokenizer.encode(text if generation_prompt else text.removesuffix("\n"), add_special_tokens=False)
 
     full_ids = ids(last + 1, False)
@@ -45,10 +55,11 @@ def conversation_example(tokenizer, messages: list[dict[str, str]]) -> Example:
     return Example(full_ids, loss_mask)
 
 
-def load_conversations(path: str) -> list[list[dict[str, str]]]:
-    """A chat dataset for `sft.data`: a JSONL file, one {"messages": [...]} per line, or a Hugging Face `datasets`
-    directory (`save_to_disk`; a DatasetDict's "train" split) with a `messages` column. Each conversation needs an
-    assistant message. Any bad row is a ConfigError naming `sft.data`, the row and what is wrong."""
+def load_conversations(path: str) -> list[Conversation]:
+    """A chat dataset for `sft.data`: a JSONL file, one {"messages": [...], "tools": [...]} per line (`tools`
+    optional), or a Hugging Face `datasets` directory (`save_to_disk`; a DatasetDict's "train" split) with a `messages`
+    column. Each conversation needs an assistant message. Any bad row is a ConfigError naming `sft.data`, the row and
+    what is wrong."""
     conversations = [_conversation(where, row) for where, row in _rows(path)]
     if not conversations:
         raise ConfigError("sft.data", f"{path} holds no conversations")
@@ -94,16 +105,22 @@ def _dataset_dir(path: str, directory: Path):
     return dataset
 
 
-def _conversation(where: str, row: object) -> list[dict[str, str]]:
+def _conversation(where: str, row: object) -> Conversation:
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         raise ConfigError("sft.data", f"{where} has no 'messages' list")
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ConfigError("sft.data", f"{where}: every message needs a string 'role' and 'content'")
+        if not isinstance(m.get("tool_calls") or [], list):
+            raise ConfigError("sft.data", f"{where}: 'tool_calls' must be a list")
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError("sft.data", f"{where} has no assistant message to learn")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ConfigError("sft.data", f"{where}: 'tools' must be a list of tool schemas")
+    kept = ("role", "content", "tool_calls", "tool_call_id")
+    return Conversation([{k: m[k] for k in kept if m.get(k) is not None} for m in messages], tools or None)
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""`code-lookup`: a tool-use task. Each word has a 3-digit code that only the `lookup` tool knows (a keyed hash), so
+the model must call the tool with the word and answer with the code it returns. Reward: 1 when the final answer is
+the code, else 0. The tool-use metrics (calls, valid-call rate, turns, errors by reason) come from the
+`primerl-chat` harness. `stream=eval` draws held-out words, disjoint from the training stream of the same seed.
+"""
+
+import asyncio
+import json
+import random
+from typing import Literal
+
+import verifiers.v1 as vf
+from primerl_chat import ChatHarness
+
+from code_lookup.codebook import CodeBook, CodeBookConfig, code_of
+from primerl.envs.traces import final_reply
+
+SYSTEM_PROMPT = "Answer with the code only."
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# The SFT teacher is imperfect: it answers a made-up code without calling the tool for TEACHER_SKIPS of the words, and
+# looks up a misspelt word (one letter changed) for TEACHER_TYPOS of them; the rest are right (experiments/code_lookup).
+TEACHER_SKIPS, TEACHER_TYPOS = 0.3, 0.2
+
+
+class CodeLookupData(vf.TaskData):
+    word: str = ""
+    code: str = ""
+
+
+class CodeLookupTask(vf.Task[CodeLookupData]):
+    @vf.reward
+    async def correct(self, task: CodeLookupData, trace: vf.Trace) -> float:
+        return float(final_reply(trace).strip() == task.code)
+
+
+class CodeLookupConfig(vf.TasksetConfig):
+    seed: int = 0
+    salt: str = "primerl"  # the code book's key
+    min_len: int = 3
+    max_len: int = 6
+    stream: Literal["rl", "eval"] = "rl"
+
+
+def words(seed: int, stream: str, min_len: int, max_len: int):
+    """An endless, seeded stream of random lowercase words. A word's hash puts it on the training side (streams "rl"
+    and "sft") or the held-out side ("eval") of a fixed split, so no held-out word is ever trained on."""
+    rng = random.Random(f"{seed}/code-lookup/{stream}")
+    while True:
+        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+        if (hash_bit(word) == 0) == (stream != "eval"):
+            yield word
+
+
+def hash_bit(word: str) -> int:
+    return int(code_of(word, "split")) % 2
+
+
+def prompt(word: str) -> str:
+    return f"What is the code for {word}?"
+
+
+class CodeLookupTaskset(vf.Taskset[CodeLookupTask, CodeLookupConfig]):
+    INFINITE = True
+
+    @classmethod
+    def toolsets(cls, config: CodeLookupConfig) -> list[vf.Toolset]:
+        return [CodeBook(CodeBookConfig(salt=config.salt))]
+
+    def load(self):
+        cfg = self.config
+        for word in words(cfg.seed, cfg.stream, cfg.min_len, cfg.max_len):
+            data = CodeLookupData(
+                prompt=prompt(word), system_prompt=SYSTEM_PROMPT, word=word, code=code_of(word, cfg.salt)
+            )
+            yield CodeLookupTask(data, cfg.task)
+
+
+def tool_schemas(toolset: vf.Toolset) -> list[dict]:
+    """The toolset's tools as the harness offers them (verifiers' `connect_mcp` format), read from an in-process MCP
+    server, so demonstrations show the model exactly the prompt it sees in rollouts."""
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("schemas")
+    toolset.register(server)
+    tools = asyncio.run(server.list_tools())
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools]  # fmt: skip
+
+
+def demonstrations(count: int, seed: int, salt: str = "primerl", min_len: int = 3, max_len: int = 6) -> list[dict]:
+    """`count` SFT conversations ({"messages", "tools"}) from the imperfect teacher, on words of the training side of
+    the split (never a held-out word) drawn from their own seeded stream."""
+    tools = tool_schemas(CodeBook(CodeBookConfig(salt=salt)))
+    rng = random.Random(f"{seed}/code-lookup/teacher")
+    stream = words(seed, "sft", min_len, max_len)
+    rows = []
+    for _ in range(count):
+        word = next(stream)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(word)}]
+        behaviour = rng.random()
+        if behaviour < TEACHER_SKIPS:
+            messages.append({"role": "assistant", "content": f"{rng.randrange(1000):03d}"})
+        else:
+            looked_up = word
+            if behaviour < TEACHER_SKIPS + TEACHER_TYPOS:
+                i = rng.randrange(len(word))
+                looked_up = word[:i] + rng.choice(LETTERS.replace(word[i], "")) + word[i + 1 :]
+            call = {"id": "call_0", "type": "function",
+                    "function": {"name": "lookup", "arguments": json.dumps({"word": looked_up})}}  # fmt: skip
+            code = code_of(looked_up, salt)
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_0", "content": code},
+                         {"role": "assistant", "content": code}]  # fmt: skip
+        rows.append({"messages": messages, "tools": tools})
+    return rows
+
+
+__all__ = ["CodeLookupTaskset", "ChatHarness"]
