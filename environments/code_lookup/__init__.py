@@ -37,16 +37,16 @@ class CodeLookupConfig(vf.TasksetConfig):
     seed: int = 0
     salt: str = "primerl"  # the code book's key
     min_len: int = 3
-    max_len: int = 6
+    max_len: int = 5
     stream: Literal["rl", "eval"] = "rl"
 
 
 def words(seed: int, stream: str, min_len: int, max_len: int):
-    """An endless, seeded stream of random lowercase words. A word's hash puts it on the training side (streams "rl"
+    """An endless, seeded stream of random words of distinct lowercase letters. A word's hash puts it on the training side (streams "rl"
     and "sft") or the held-out side ("eval") of a fixed split, so no held-out word is ever trained on."""
     rng = random.Random(f"{seed}/code-lookup/{stream}")
     while True:
-        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+        word = "".join(rng.sample(LETTERS, rng.randint(min_len, max_len)))  # distinct letters: see the README
         if (hash_bit(word) == 0) == (stream != "eval"):
             yield word
 
@@ -87,7 +87,7 @@ def tool_schemas(toolset: vf.Toolset) -> list[dict]:
                                               "parameters": t.input_schema}} for t in tools]  # fmt: skip
 
 
-def demonstrations(count: int, seed: int, salt: str = "primerl", min_len: int = 3, max_len: int = 6) -> list[dict]:
+def demonstrations(count: int, seed: int, salt: str = "primerl", min_len: int = 3, max_len: int = 5) -> list[dict]:
     """`count` SFT conversations ({"messages", "tools"}) from the imperfect teacher, on words of the training side of
     the split (never a held-out word) drawn from their own seeded stream."""
     tools = tool_schemas(CodeBook(CodeBookConfig(salt=salt)))

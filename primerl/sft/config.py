@@ -10,10 +10,11 @@ class SftConfig:
     # Runs only where there are demonstrations: `data`, or the env's own generator (primerl.model.start); otherwise
     # RL starts from the base model with a notice.
     enabled: bool = True
-    # A chat dataset: JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line, or a Hugging Face
-    # `datasets` directory (save_to_disk) with a `messages` column; the loss is on every assistant message.
-    # None: the env's generated demonstrations (reverse-text). The held-out score is primerl.eval's (or the step-0
-    # online eval of `train`); SFT itself reports its loss.
+    # A chat dataset: JSONL, one {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]} per line
+    # (`tools`, assistant `tool_calls` and `tool` messages optional, OpenAI format), or a Hugging Face `datasets`
+    # directory (save_to_disk) with a `messages` column; the loss is on every assistant message.
+    # None: the env's generated demonstrations (reverse-text, code-lookup). The held-out score is primerl.eval's (or
+    # the step-0 online eval of `train`); SFT itself reports its loss.
     data: str | None = None
     steps: int = bounded(1500, ge=1)
     batch_size: int = bounded(32, ge=1)  # sequences per optimizer step, across all ranks
