@@ -97,6 +97,31 @@ def test_hermes_renderer_parses_calls_and_keeps_malformed_ones_visible():
         assert name == MALFORMED_TOOL_CALL and arguments["status"] == status
 
 
+def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_path):
+    import code_lookup
+
+    from primerl.config.errors import ConfigError
+    from primerl.sft.data import conversation_example, load_conversations
+
+    rows = [r for r in code_lookup.demonstrations(20, seed=0) if len(r["messages"]) == 5][:2]
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = build_tokenizer(tool_call_tokens=True)
+    for row, conversation in zip(rows, load_conversations(str(data)), strict=True):  # JSONL reads back what was written
+        assert conversation.messages == row["messages"] and conversation.tools == row["tools"]
+        ex = conversation_example(tok, conversation.messages, conversation.tools)
+        trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+        code = row["messages"][3]["content"]
+        call = row["messages"][2]["tool_calls"][0]["function"]["arguments"]
+        assert (
+            trained == f'<tool_call>\n{{"name": "lookup", "arguments": {call}}}\n</tool_call><|im_end|>{code}<|im_end|>'
+        )
+        assert "<tools>" in tok.decode(ex.input_ids)  # the tools are in the prompt, as in rollouts
+    data.write_text(json.dumps({"messages": rows[0]["messages"], "tools": "lookup"}) + "\n")
+    with pytest.raises(ConfigError, match="'tools' must be a list"):
+        load_conversations(str(data))
+
+
 def test_bad_harness_or_env_args_name_their_key():
     from primerl.config.errors import ConfigError
 
