@@ -17,9 +17,11 @@ from primerl.envs.traces import final_reply
 
 SYSTEM_PROMPT = "Answer with the code only."
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-# The SFT teacher is imperfect: it answers a made-up code without calling the tool for TEACHER_SKIPS of the words, and
-# looks up a misspelt word (one letter changed) for TEACHER_TYPOS of them; the rest are right (experiments/code_lookup).
-TEACHER_SKIPS, TEACHER_TYPOS = 0.3, 0.2
+# The SFT teacher is imperfect: for TEACHER_SKIPS of the words it answers TEACHER_GUESS without calling the tool, for
+# TEACHER_TYPOS it looks up the word without its last letter; the rest are right. Its mistakes are systematic, not
+# random letters or digits: random ones add noise only, and the tiny model did not learn to copy under them
+# (experiments/code_lookup).
+TEACHER_SKIPS, TEACHER_TYPOS, TEACHER_GUESS = 0.3, 0.2, "000"
 
 
 class CodeLookupData(vf.TaskData):
@@ -99,12 +101,9 @@ def demonstrations(count: int, seed: int, salt: str = "primerl", min_len: int = 
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(word)}]
         behaviour = rng.random()
         if behaviour < TEACHER_SKIPS:
-            messages.append({"role": "assistant", "content": f"{rng.randrange(1000):03d}"})
+            messages.append({"role": "assistant", "content": TEACHER_GUESS})
         else:
-            looked_up = word
-            if behaviour < TEACHER_SKIPS + TEACHER_TYPOS:
-                i = rng.randrange(len(word))
-                looked_up = word[:i] + rng.choice(LETTERS.replace(word[i], "")) + word[i + 1 :]
+            looked_up = word[:-1] if behaviour < TEACHER_SKIPS + TEACHER_TYPOS else word
             call = {"id": "call_0", "type": "function",
                     "function": {"name": "lookup", "arguments": json.dumps({"word": looked_up})}}  # fmt: skip
             code = code_of(looked_up, salt)
