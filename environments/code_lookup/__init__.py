@@ -44,11 +44,11 @@ class CodeLookupConfig(vf.TasksetConfig):
 
 
 def words(seed: int, stream: str, min_len: int, max_len: int):
-    """An endless, seeded stream of random words of distinct lowercase letters. A word's hash puts it on the training side (streams "rl"
-    and "sft") or the held-out side ("eval") of a fixed split, so no held-out word is ever trained on."""
+    """An endless, seeded stream of random words of distinct lowercase letters. A word's hash puts it on the training
+    side (streams "rl" and "sft") or the held-out side ("eval") of a fixed split, so no held-out word is trained on."""
     rng = random.Random(f"{seed}/code-lookup/{stream}")
     while True:
-        word = "".join(rng.sample(LETTERS, rng.randint(min_len, max_len)))  # distinct letters: see the README
+        word = "".join(rng.sample(LETTERS, rng.randint(min_len, max_len)))  # distinct letters, as reverse-text's
         if (hash_bit(word) == 0) == (stream != "eval"):
             yield word
 
