@@ -10,7 +10,7 @@ from primerl.config.cli import check
 from primerl.config.errors import ConfigError
 from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
-from primerl.model.start import data_digest
+from primerl.model.start import GENERATED_DEMONSTRATIONS, data_digest, sft_checkpoint_dir
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.__main__ import demonstrations, packed_loss_sum
 from primerl.sft.data import IGNORE, chat_example, conversation_example, load_conversations, pack
@@ -86,6 +86,16 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_conversations(str(tmp_path / name))
         assert err.value.key == "sft.data" and why in err.value.message, err.value.message
+
+
+def test_sft_cache_key_follows_the_generator_version(monkeypatch):
+    """A changed demonstration generator (its version bumped) trains a new warm-start instead of reusing the old."""
+    for experiment, env_id in (("code_lookup", "code-lookup"), ("reverse_text", "reverse-text")):
+        cfg = check([f"+experiment={experiment}"])
+        before = sft_checkpoint_dir(cfg)
+        assert sft_checkpoint_dir(check([f"+experiment={experiment}"])) == before  # stable
+        monkeypatch.setitem(GENERATED_DEMONSTRATIONS, env_id, GENERATED_DEMONSTRATIONS[env_id] + 1)
+        assert sft_checkpoint_dir(cfg) != before
 
 
 def test_pack_invariants():

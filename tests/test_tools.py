@@ -103,7 +103,8 @@ def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_pa
     from primerl.config.errors import ConfigError
     from primerl.sft.data import conversation_example, load_conversations
 
-    rows = [r for r in code_lookup.demonstrations(20, seed=0) if len(r["messages"]) == 5][:2]
+    rows = code_lookup.demonstrations(2, seed=0)
+    assert any(m.get("role") == "tool" for m in rows[0]["messages"] + rows[1]["messages"])  # some call the tool
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = build_tokenizer(tool_call_tokens=True)
@@ -111,11 +112,14 @@ def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_pa
         assert conversation.messages == row["messages"] and conversation.tools == row["tools"]
         ex = conversation_example(tok, conversation.messages, conversation.tools)
         trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
-        code = row["messages"][3]["content"]
-        call = row["messages"][2]["tool_calls"][0]["function"]["arguments"]
-        assert (
-            trained == f'<tool_call>\n{{"name": "lookup", "arguments": {call}}}\n</tool_call><|im_end|>{code}<|im_end|>'
-        )
+        expected = ""  # every assistant turn, calls in the Hermes form; no tool result, question or tools block
+        for message in row["messages"]:
+            if message["role"] == "assistant" and message.get("tool_calls"):
+                arguments = message["tool_calls"][0]["function"]["arguments"]
+                expected += f'<tool_call>\n{{"name": "lookup", "arguments": {arguments}}}\n</tool_call><|im_end|>'
+            elif message["role"] == "assistant":
+                expected += message["content"] + "<|im_end|>"
+        assert trained == expected
         assert "<tools>" in tok.decode(ex.input_ids)  # the tools are in the prompt, as in rollouts
     data.write_text(json.dumps({"messages": rows[0]["messages"], "tools": "lookup"}) + "\n")
     with pytest.raises(ConfigError, match="'tools' must be a list"):

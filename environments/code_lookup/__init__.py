@@ -22,6 +22,9 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # random letters or digits: random ones add noise only, and the tiny model did not learn to copy under them
 # (experiments/code_lookup).
 TEACHER_SKIPS, TEACHER_TYPOS, TEACHER_GUESS = 0.3, 0.2, "000"
+# Each demonstration asks this many words in turn: three calls per ~200-token tools block instead of one, so more of
+# each SFT step's tokens are copies (experiments/code_lookup).
+DEMO_QUESTIONS = 3
 
 
 class CodeLookupData(vf.TaskData):
@@ -38,8 +41,10 @@ class CodeLookupTask(vf.Task[CodeLookupData]):
 class CodeLookupConfig(vf.TasksetConfig):
     seed: int = 0
     salt: str = "primerl"  # the code book's key
-    min_len: int = 3
-    max_len: int = 5
+    # one length: the word then sits at a fixed distance from where the call copies it, which the tiny model learns
+    # about twice as fast as lengths 3-5 (experiments/code_lookup)
+    min_len: int = 4
+    max_len: int = 4
     stream: Literal["rl", "eval"] = "rl"
 
 
@@ -89,29 +94,36 @@ def tool_schemas(toolset: vf.Toolset) -> list[dict]:
                                               "parameters": t.input_schema}} for t in tools]  # fmt: skip
 
 
-def demonstrations(count: int, seed: int, salt: str = "primerl", min_len: int = 3, max_len: int = 5) -> list[dict]:
-    """`count` SFT conversations ({"messages", "tools"}) from the imperfect teacher, on words of the training side of
-    the split (never a held-out word) drawn from their own seeded stream."""
+def demonstrations(count: int, seed: int, **args) -> list[dict]:
+    """`count` SFT conversations ({"messages", "tools"}) from the imperfect teacher, each asking DEMO_QUESTIONS words
+    in turn, on words of the training side of the split (never a held-out word) drawn from their own seeded stream.
+    `args`: the env's own (`salt`, `min_len`, `max_len`), defaults as in CodeLookupConfig."""
+    cfg = CodeLookupConfig(seed=seed, **args)
+    salt = cfg.salt
     tools = tool_schemas(CodeBook(CodeBookConfig(salt=salt)))
     rng = random.Random(f"{seed}/code-lookup/teacher")
-    stream = words(seed, "sft", min_len, max_len)
+    stream = words(seed, "sft", cfg.min_len, cfg.max_len)
     rows = []
     for _ in range(count):
-        word = next(stream)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(word)}]
-        behaviour = rng.random()
-        if behaviour < TEACHER_SKIPS:
-            messages.append({"role": "assistant", "content": TEACHER_GUESS})
-        else:
-            looked_up = word[:-1] if behaviour < TEACHER_SKIPS + TEACHER_TYPOS else word
-            call = {"id": "call_0", "type": "function",
-                    "function": {"name": "lookup", "arguments": json.dumps({"word": looked_up})}}  # fmt: skip
-            code = code_of(looked_up, salt)
-            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": "call_0", "content": code},
-                         {"role": "assistant", "content": code}]  # fmt: skip
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        for _ in range(DEMO_QUESTIONS):
+            messages += teacher_turns(next(stream), rng.random(), salt)
         rows.append({"messages": messages, "tools": tools})
     return rows
+
+
+def teacher_turns(word: str, behaviour: float, salt: str) -> list[dict]:
+    """The question and the teacher's answer: a guess without the tool when `behaviour` < TEACHER_SKIPS, a look-up of
+    the word without its last letter when below TEACHER_SKIPS + TEACHER_TYPOS, else the right look-up."""
+    question = {"role": "user", "content": prompt(word)}
+    if behaviour < TEACHER_SKIPS:
+        return [question, {"role": "assistant", "content": TEACHER_GUESS}]
+    looked_up = word[:-1] if behaviour < TEACHER_SKIPS + TEACHER_TYPOS else word
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "lookup", "arguments": json.dumps({"word": looked_up})}}  # fmt: skip
+    code = code_of(looked_up, salt)
+    return [question, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": code}, {"role": "assistant", "content": code}]  # fmt: skip
 
 
 __all__ = ["CodeLookupTaskset", "ChatHarness"]

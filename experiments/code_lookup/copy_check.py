@@ -1,7 +1,9 @@
 """Greedy check of a code_lookup SFT checkpoint on 20 held-out words: does it call the tool, copy the word into the
 call, and copy the tool's code into its answer (given the right tool result)? HF `generate`, one thread.
 
-    python experiments/code_lookup/copy_check.py <checkpoint> [notools]
+    python experiments/code_lookup/copy_check.py <checkpoint> [notools] [--len MIN MAX]
+
+`--len` sets the word lengths (default: the env's defaults).
 """
 
 import itertools
@@ -13,13 +15,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
-d = sys.argv[1]
+args = sys.argv[1:]
+lengths = (c.CodeLookupConfig().min_len, c.CodeLookupConfig().max_len)
+if "--len" in args:
+    at = args.index("--len")
+    lengths, args = (int(args[at + 1]), int(args[at + 2])), args[:at] + args[at + 3 :]
+d = args[0]
 tok = AutoTokenizer.from_pretrained(d)
 m = AutoModelForCausalLM.from_pretrained(d)
-tools = None if len(sys.argv) > 2 else c.demonstrations(1, 0)[0]["tools"]
+tools = None if "notools" in args else c.demonstrations(1, 0)[0]["tools"]
 called = copied = answered = 0
 n = 20
-for w in itertools.islice(c.words(0, "eval", 3, 5), n):
+for w in itertools.islice(c.words(0, "eval", *lengths), n):
     msgs = [{"role": "system", "content": c.SYSTEM_PROMPT}, {"role": "user", "content": c.prompt(w)}]
     ids = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, return_dict=False)
     out = m.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
