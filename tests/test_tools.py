@@ -266,8 +266,8 @@ def test_tool_use_run_end_to_end(cache_dir, tmp_path):
     from primerl.utils.process import free_port
 
     run = tmp_path / "run"
-    result = run_module("primerl.train", "+experiment=code_lookup", "sft.steps=120", "trainer.max_steps=2",
-                        "orchestrator.batch_size=16", "orchestrator.group_size=4", "eval.every=0",
+    result = run_module("primerl.train", "+experiment=code_lookup", "sft.steps=120", "sft.batch_size=8",
+                        "trainer.max_steps=2", "orchestrator.batch_size=16", "orchestrator.group_size=4", "eval.every=0",
                         f"inference.port={free_port()}", f"hydra.run.dir={run}",
                         f"ledger.store_dir={tmp_path / 'ledger'}", timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
