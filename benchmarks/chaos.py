@@ -6,8 +6,9 @@ One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_lev
 orchestrator, MLflow ledger) of --steps steps. Each incarnation of `python -m primerl.train ...` runs until its
 trainer has finished one more step, then for a seeded random 0-4 s, then one process is killed with SIGKILL: the
 trainer, the orchestrator, the inference wrapper, the vLLM server or the driver itself (each kind at least once, in
-a seeded order). Then, as a user would, the same command is rerun, until the run completes. Afterwards it checks
-and prints:
+a seeded order). A killed vLLM server is restarted by the inference wrapper and the run goes on: the soak waits for
+two more trained steps and goes on to the next fault in the same incarnation. After any other kill the run stops,
+and, as a user would, the same command is rerun, until the run completes. Afterwards it checks and prints:
 - every step trained once: trainer metrics rows 0..steps-1 each once, each step's log line at most once, restarts
   resuming at their checkpoint (never before the previous start);
 - every batch consumed once: orchestrator rows 0..steps-1 once, each batch file written once (its data position
@@ -80,10 +81,13 @@ def soak(args, work: Path) -> dict:
     rng.shuffle(plan)
     faults, orphans, incarnations = [], [], 0
     started = time.monotonic()
+    driver = None
     while True:
-        incarnations += 1
-        driver_log = open(work / f"driver-{incarnations}.log", "w")
-        driver = subprocess.Popen(cmd, cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT, start_new_session=True)
+        if driver is None:
+            incarnations += 1
+            driver_log = open(work / f"driver-{incarnations}.log", "w")
+            driver = subprocess.Popen(cmd, cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)  # fmt: skip
         done_before = len(read_metrics(run, TRAINER))
         kind = plan[len(faults)] if len(faults) < len(plan) else None
         if kind is not None:
@@ -100,10 +104,22 @@ def soak(args, work: Path) -> dict:
         if pid is None:  # e.g. the run finished meanwhile
             plan.append(plan.pop(len(faults)))
             driver.wait(timeout=1800)
+            driver = None
             continue
         step = len(read_metrics(run, TRAINER))
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
+        if kind == "vllm":  # restarted by the inference wrapper: the run must go on by itself
+            target = min(step + 2, args.steps)
+            wait_for(lambda d=driver, t=target: len(read_metrics(run, TRAINER)) >= t or d.poll() is not None, 900)
+            went_on = len(read_metrics(run, TRAINER)) >= target and driver.poll() in (None, 0)
+            faults.append({"kind": kind, "at_step": step, "driver_exit": driver.poll(), "went_on": went_on,
+                           "stopped_s": None, "recovered_s": round(time.monotonic() - killed_at, 1)})  # fmt: skip
+            print(f"fault {len(faults)}: kill -9 vllm at step {step}; the run went on (2 more steps "
+                  f"{faults[-1]['recovered_s']} s later), driver exit {driver.poll()}", flush=True)  # fmt: skip
+            if driver.poll() is not None:
+                driver = None
+            continue
         driver.wait(timeout=300)
         # the driver is gone; the run's processes must follow (SIGTERM by parent death, or stopped by the driver)
         wait_for(lambda: not run_processes(run), 60)
@@ -115,6 +131,7 @@ def soak(args, work: Path) -> dict:
                        "stopped_s": round(time.monotonic() - killed_at, 1)})  # fmt: skip
         print(f"fault {len(faults)}: kill -9 {kind} at step {step}; driver exit {driver.returncode}; "
               f"everything stopped after {faults[-1]['stopped_s']} s", flush=True)  # fmt: skip
+        driver = None
     return {"run": run, "faults": faults, "orphans": orphans, "incarnations": incarnations,
             "wall_s": time.monotonic() - started}  # fmt: skip
 
@@ -175,11 +192,14 @@ def main() -> None:
     result = soak(args, work)
     checks = check(result["run"], args.steps, result)
     kinds = {k: sum(f["kind"] == k for f in result["faults"]) for k in KINDS}
-    stopped = sorted(f["stopped_s"] for f in result["faults"])
+    stopped = sorted(f["stopped_s"] for f in result["faults"] if f["stopped_s"] is not None)
     print(f"\n{args.steps} steps, {len(result['faults'])} faults ({', '.join(f'{k} {n}' for k, n in kinds.items())}), "
           f"{result['incarnations']} incarnations, {result['wall_s']:.0f} s; run {result['run']}")  # fmt: skip
-    print(f"time from kill -9 to every process of the run stopped: median {stopped[len(stopped) // 2]} s, "
-          f"range {stopped[0]}-{stopped[-1]} s")  # fmt: skip
+    if stopped:
+        print(f"time from kill -9 to every process of the run stopped: median {stopped[len(stopped) // 2]} s, "
+              f"range {stopped[0]}-{stopped[-1]} s")  # fmt: skip
+    survived = [f for f in result["faults"] if f["kind"] == "vllm"]
+    checks.append(("the run went on after every vLLM kill", all(f["went_on"] for f in survived), ", ".join(f"{f['recovered_s']} s" for f in survived) or "no vLLM kill"))  # fmt: skip
     for name, ok, detail in checks:
         print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
     summary = {"faults": result["faults"], "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks],

@@ -28,6 +28,8 @@ class OrchestratorMetric:
     INFLIGHT = "inflight/rollouts"  # in flight when the batch was cut
     BUFFERED = "queue/buffered_samples"  # left over for the next batches after the cut
     INFERENCE_IDLE = "inference/idle_fraction"  # of the wall time since the previous cut with no running request
+    REPLICAS_UP = "inference/replicas_up"  # inference replicas taking rollouts when the batch was cut
+    ROLLOUTS_REROUTED = "rollouts/rerouted"  # run again on another replica after theirs went down, since the cut
     LOOP_LAG_MAX = "loop/lag_max_s"  # event-loop lag: how late a 50 ms timer fired
     LOOP_LAG_MEAN = "loop/lag_mean_s"
     ROLLOUT_MEDIAN_S = "time/rollout_median_s"  # wall time of the rollouts finished since the previous cut

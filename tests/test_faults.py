@@ -1,17 +1,21 @@
-"""Fault injection on real processes: an environment whose reward raises, hangs or returns NaN, and an inference
-server that crashes and comes back while the orchestrator is producing batches."""
+"""Fault injection on real processes: an environment whose reward raises, hangs or returns NaN, and one of two
+inference replicas that crashes and comes back while the orchestrator is producing batches."""
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from primerl.metrics import read_metrics
-from primerl.transport.run_dir import rollout_path
+from primerl.transport.atomic import STABLE_MARKER
+from primerl.transport.run_dir import rollout_path, weights_path
 from primerl.utils.process import free_port
 from tests.conftest import ROOT
 
@@ -51,45 +55,82 @@ def _wait_healthy(port: int, process: subprocess.Popen, timeout_s: float = 300) 
     raise TimeoutError("vLLM did not become healthy")
 
 
-def test_bad_rewards_are_counted_and_a_server_crash_is_waited_out(cache_dir, tmp_path):
-    run, port, steps = tmp_path / "faults", free_port(), 6
+def _publish(run, version: int, model_path: str) -> None:
+    """Stand in for the trainer: policy `version` is the start weights again, published the way the trainer does."""
+    folder = weights_path(run, version)
+    folder.mkdir(parents=True)
+    for file in Path(model_path).glob("*.safetensors"):
+        shutil.copy(file, folder / file.name)
+    (folder / STABLE_MARKER).touch()
+
+
+def _served_version(port: int) -> int | None:
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/collective_rpc", json={"method": "primerl_get_policy_version"},
+                       timeout=5)  # fmt: skip
+        return int(r.json()["results"][0]) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def _wait_for(condition, what: str, orchestrator: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert orchestrator.poll() is None, f"the orchestrator exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_bad_rewards_are_counted_and_a_crashed_replica_is_rerouted_restarted_and_taken_back(cache_dir, tmp_path):
+    """Two replicas; this test is the trainer (it publishes policies), so it decides when the run may finish."""
+    run, port, steps, async_level = tmp_path / "faults", free_port(count=2), 8, 2
     run.mkdir()
     args = ["+experiment=reverse_text", "sft.enabled=false", "env=verifiers", "env.id=faulty-reverse-text",
             "orchestrator.batch_size=32", "orchestrator.group_size=4", "orchestrator.rollout_timeout_s=5",
-            f"trainer.max_steps={steps}", f"orchestrator.async_level={steps}",  # no trainer: never wait for a policy
-            f"inference.port={port}", f"output_dir={run}", "ledger.enabled=false"]  # fmt: skip
+            f"trainer.max_steps={steps}", f"orchestrator.async_level={async_level}", "eval.every=0",
+            f"inference.port={port}", "inference.replicas=2", f"output_dir={run}", "ledger.enabled=false"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     inference = _start_inference(args, env, run)
+    inference_log, orchestrator_log = run / "inference-test.log", run / "orchestrator-test.log"
     orchestrator = None
     try:
         _wait_healthy(port, inference)
-        orchestrator = subprocess.Popen([sys.executable, "-m", "primerl.orchestrator", *args,
-                                         f"hydra.run.dir={run}/logs/orch"], cwd=ROOT, env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        deadline = time.monotonic() + 300
-        while not rollout_path(run, 0).exists():
-            assert orchestrator.poll() is None and time.monotonic() < deadline, orchestrator.communicate()[0][-3000:]
-            time.sleep(0.1)
-        # crash: kill -9 vLLM; the inference process notices and exits; a new one comes up on the same port
+        _wait_healthy(port + 1, inference)
+        model_path = re.search(r"serving (\S+) at", inference_log.read_text()).group(1)
+        with open(orchestrator_log, "wb") as out:
+            orchestrator = subprocess.Popen([sys.executable, "-m", "primerl.orchestrator", *args,
+                                             f"hydra.run.dir={run}/logs/orch"], cwd=ROOT, env=env, stdout=out,
+                                            stderr=subprocess.STDOUT)  # fmt: skip
+        for version in (1, 2):  # batches up to 4 may be cut
+            _publish(run, version, model_path)
+        _wait_for(lambda: rollout_path(run, 0).exists(), "batch 0", orchestrator)
+        # crash: kill -9 replica 0's vLLM while rollouts are in flight on both
         for pid in _vllm_pids(port):
             if os.getpgid(pid) == pid:  # the server's process group leader: the whole server goes at once
                 os.killpg(pid, signal.SIGKILL)
-        assert inference.wait(timeout=60) != 0
-        time.sleep(3)
-        inference = _start_inference(args, env, run)
-        output, _ = orchestrator.communicate(timeout=600)
+        # the inference process starts it again; the orchestrator loads v2, the policy replica 1 serves, into it
+        _wait_for(lambda: _served_version(port) == 2, "the restarted replica to serve v2", orchestrator)
+        for version in range(3, steps - async_level):  # the rest of the run, with both replicas up
+            _publish(run, version, model_path)
+        orchestrator.wait(timeout=600)
+        assert inference.poll() is None  # it restarted the replica rather than exit
     finally:
         for process in (orchestrator, inference):
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=60)
+    output = orchestrator_log.read_text()
     assert orchestrator.returncode == 0, output[-3000:]
-    assert "unreachable; waiting with back-off" in output
+    assert "unreachable; waiting with back-off" in output and f"127.0.0.1:{port} is back" in output
+    assert re.search(r"serves policy v0, not v2: reloading", output)  # taken back with the current policy
+    assert "restarting it (1/3)" in inference_log.read_text()
     rows = read_metrics(run, "orchestrator")
     assert [r["step"] for r in rows] == list(range(steps))  # no step lost or skipped
     assert all(rollout_path(run, s).exists() for s in range(steps))
+    assert sum(r["rollouts/rerouted"] for r in rows) > 0  # in-flight rollouts of the dead replica ran again
+    assert min(r["inference/replicas_up"] for r in rows) == 1 and rows[-1]["inference/replicas_up"] == 2
     assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
     for reason in ("failed on purpose", "non-finite reward nan", "exceeded orchestrator.rollout_timeout_s=5"):
         assert reason in output, reason
-    assert _vllm_pids(port) == []
+    assert _vllm_pids(port) == [] and _vllm_pids(port + 1) == []

@@ -265,6 +265,7 @@ def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
     from primerl.eval.config import EvalConfig
     from primerl.metrics import EVAL
     from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
+    from primerl.orchestrator.replicas import Replicas
     from primerl.orchestrator.watcher import Watcher
     from primerl.transport.atomic import STABLE_MARKER
     from primerl.transport.run_dir import weights_path
@@ -277,6 +278,7 @@ def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
         return OnlineEval([EvalSuite("fake", runner, [FakeTask(i) for i in range(5)])], cfg, 7, tmp_path, 5.0)
 
     class FakeClient:
+        base_url = "http://fake"
         loads: list = []
 
         async def load_weights(self, path, version):
@@ -284,7 +286,7 @@ def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
             return 0.001
 
     evals = online()
-    watcher = Watcher(tmp_path, FakeClient(), policy, 0.01, 5.0, before_load=evals.before_load)
+    watcher = Watcher(tmp_path, Replicas([FakeClient()]), policy, 0.01, 5.0, before_load=evals.before_load)
 
     def publish(version):
         weights_path(tmp_path, version).mkdir(parents=True)

@@ -42,6 +42,11 @@ def validate(cfg: RunConfig) -> None:
             "orchestrator.max_tokens",
             f"{orch.max_tokens} leaves no room for the prompt in inference.max_model_len={inf.max_model_len}",
         )
+    if inf.replicas > 1 and inf.pd.enabled:
+        raise ConfigError("inference.replicas", f"{inf.replicas} with inference.pd.enabled: replicas of a "
+                          "prefill/decode pair are not supported; use one or the other")  # fmt: skip
+    if inf.port and inf.port + inf.replicas - 1 > 65535:
+        raise ConfigError("inference.replicas", f"{inf.replicas} replicas from port {inf.port} run past port 65535")
     if trainer.seq_len < inf.max_model_len:
         raise ConfigError(
             "trainer.seq_len",

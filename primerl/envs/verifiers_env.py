@@ -128,15 +128,16 @@ API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the s
 
 
 def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
-               sampling_args: dict | None = None) -> EnvRunner:  # fmt: skip
-    """Rollouts of `env` against the inference server of `inf`: verifiers' train client (token ids, sampled mask,
-    logprobs), tokenizing locally with `model_path`'s tokenizer. The orchestrator's and the evaluator's runner."""
+               sampling_args: dict | None = None, base_url: str | None = None) -> EnvRunner:  # fmt: skip
+    """Rollouts of `env` against the inference server at `base_url` (default: the first of `inf`): verifiers' train
+    client (token ids, sampled mask, logprobs), tokenizing locally with `model_path`'s tokenizer. The orchestrator's
+    (one per replica) and the evaluator's runner."""
     from primerl.transport.weights import SERVED_MODEL_NAME
 
     os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")
     ctx = vf.ModelContext(
         client=vf.TrainClientConfig(
-            base_url=f"http://{inf.host}:{inf.port}/v1",
+            base_url=f"{base_url or f'http://{inf.host}:{inf.port}'}/v1",
             api_key_var=API_KEY_VAR,
             renderer_model_name=model_path,
             renderer=renderer_config(model_path),  # tool calls parsed for the tiny model too

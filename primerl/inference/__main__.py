@@ -1,7 +1,11 @@
 """`python -m primerl.inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
 
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
-else the base model. Prints the base URL once ready.
+else the base model. Prints the base URL once ready. `inference.replicas` servers start side by side.
+
+A server that exits while serving (a crash, an OOM kill) is started again, at most MAX_RESTARTS times each; the
+others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
+(primerl.orchestrator.watcher). One more exit ends this process with code 1.
 """
 
 import signal
@@ -25,6 +29,7 @@ from primerl.transport.run_dir import log_path, vllm_scratch_prefix
 from primerl.utils.log import get_logger
 
 log = get_logger("inference")
+MAX_RESTARTS = 3
 
 
 @hydra_app()
@@ -43,12 +48,26 @@ def main(dict_cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for server in servers:
-            server.start(cfg.inference.startup_timeout_s)
+            server.spawn()
+        for server in servers:
+            server.wait_ready(cfg.inference.startup_timeout_s)
             log.info(f"serving {model_path} at {server.base_url}")
-        while all(s.process.poll() is None for s in servers):
+        restarts = [0] * len(servers)
+        while True:
+            for index, server in enumerate(servers):
+                if server.process.poll() is None:
+                    continue
+                if restarts[index] == MAX_RESTARTS:
+                    log.error(f"the vLLM server at {server.base_url} exited again after {MAX_RESTARTS} restarts")
+                    sys.exit(1)
+                restarts[index] += 1
+                log.warning(f"the vLLM server at {server.base_url} exited with code {server.process.returncode}; "
+                            f"restarting it ({restarts[index]}/{MAX_RESTARTS}); last lines of its log:\n"
+                            f"{server.log_tail(10)}")  # fmt: skip
+                server.stop()  # what is left of its process group and its temp dir
+                server.start(cfg.inference.startup_timeout_s)
+                log.info(f"serving {model_path} at {server.base_url} again")
             time.sleep(1.0)
-        log.error("a vLLM server exited")
-        sys.exit(1)
     except InferenceStartError as err:
         log.error(str(err))
         sys.exit(1)

@@ -37,6 +37,9 @@ class InferenceConfig:
     name: str = "vllm"
     host: str = "127.0.0.1"
     port: int = bounded(8000, ge=0, le=65535)  # 0: a free port
+    # vLLM servers serving the same policy, replica i on port + i; the orchestrator spreads rollouts over them
+    # (primerl.orchestrator.replicas) and loads every new policy into all of them at once
+    replicas: int = bounded(1, ge=1)
     api_key: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int = bounded(512, ge=2)
@@ -52,3 +55,8 @@ class InferenceConfig:
     pd: PdConfig = field(default_factory=PdConfig)
     startup_timeout_s: float = bounded(600.0, gt=0)
     extra_args: list[str] = field(default_factory=list)
+
+
+def replica_urls(inf: InferenceConfig) -> list[str]:
+    """Base URLs of the inference replicas, in replica order."""
+    return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]

@@ -69,7 +69,8 @@ class ServerSpec:
 
 
 def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpec]:
-    """vLLM command lines for the configured topology: one server, or a prefill and a decode server (PD)."""
+    """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or a
+    prefill and a decode server (PD)."""
     inf = cfg.inference
     args = [
         "--model", model_path,
@@ -108,7 +109,8 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         if inf.cpu_idle_spin_s is not None:
             env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
     if not inf.pd.enabled:
-        return [ServerSpec(args + ["--port", str(inf.port)], env, inf.host, inf.port)]
+        ports = [inf.port + i for i in range(inf.replicas)]
+        return [ServerSpec(args + ["--port", str(port)], env, inf.host, port) for port in ports]
     specs = []
     for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
         transfer = f'{{"kv_connector":"{inf.pd.kv_connector}","kv_role":"{role}"}}'
@@ -136,6 +138,11 @@ class VllmServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def start(self, timeout_s: float = 600.0) -> "VllmServer":
+        self.spawn()
+        return self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (several servers start side by side; then `wait_ready`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
@@ -153,6 +160,9 @@ class VllmServer:
         self.process = subprocess.Popen(dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)  # fmt: skip
         log.close()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> "VllmServer":
+        assert self.process is not None, "spawn() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -43,8 +43,8 @@ class LocalLauncher:
             raise ChildFailed("SFT warm-start failed (its output is above)")
 
     def start(self, overrides: list[str]) -> None:
-        if self.cfg.inference.port == 0:  # a free port, the same for the server and the orchestrator
-            overrides = [*overrides, f"inference.port={free_port()}"]
+        if self.cfg.inference.port == 0:  # free ports, the same for the servers and the orchestrator
+            overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
         cpu = self.cfg.inference.device == "cpu" or (self.cfg.inference.device == "auto" and not _has_cuda())
         nproc = self.cfg.launcher.trainer_tasks_per_node
         self._spawn("inference", module_command("primerl.inference", overrides, self.run_dir), child_env())

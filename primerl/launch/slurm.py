@@ -6,6 +6,7 @@ Invariants:
 - The inference job writes its address to `<run>/inference_address.json` (with its job id) once it knows its node and
   port; the orchestrator job waits for the address of *its* inference job and is given it as overrides. A wildcard
   `inference.host` (0.0.0.0) is advertised as the node's host name; `inference.port=0` takes a free port on the node.
+  `inference.replicas=N`: the one inference job serves all N on its node, on N consecutive ports from that port.
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
   no torchrun inside a job.
 - A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
@@ -51,6 +52,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
     run_dir: str
     inference_host: str = "127.0.0.1"
     inference_port: int = 0
+    inference_replicas: int = 1  # served by this one job, on consecutive ports from its address's port
     inference_job_id: str | None = None  # orchestrator: whose address to wait for
     wait_s: float = 600.0
 
@@ -77,7 +79,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
     def _address_overrides(self) -> list[str]:
         address = inference_address_path(self.run_dir)
         if self.name == "inference":
-            port = self.inference_port or free_port()
+            port = self.inference_port or free_port(count=self.inference_replicas)
             host = socket.getfqdn() if self.inference_host in WILDCARD_HOSTS else self.inference_host
             with atomic_file(address) as tmp:
                 tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
@@ -155,7 +157,8 @@ class SlurmLauncher:
         inference_address_path(self.run_dir).unlink(missing_ok=True)  # an earlier attempt's server is gone
         inf = self.cfg.inference
         inference = self._submit("inference", "primerl.inference", overrides, gpus=self.cfg.launcher.inference_gpus,
-                                 inference_host=inf.host, inference_port=inf.port)  # fmt: skip
+                                 inference_host=inf.host, inference_port=inf.port,
+                                 inference_replicas=inf.replicas)  # fmt: skip
         self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_id=inference.job_id,
                      wait_s=inf.startup_timeout_s + 3600)  # fmt: skip # the inference job may queue first
         self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())

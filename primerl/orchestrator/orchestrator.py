@@ -49,6 +49,7 @@ from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
     from primerl.orchestrator.online_eval import OnlineEval
+    from primerl.orchestrator.replicas import Replicas
 
 log = get_logger("orchestrator")
 
@@ -61,13 +62,15 @@ class Orchestrator:
                  writer: BatchWriter, policy: Policy, start_step: int = 0, serving: Callable[[], bool] = lambda: True,
                  on_failed_group: Callable[[], None] = lambda: None, recoveries: Callable[[], int] = lambda: 0,
                  weight_load_s: Callable[[], float] = lambda: 0.0, idle: IdleSampler | None = None,
-                 env_names: list[str] | None = None):  # fmt: skip
+                 env_names: list[str] | None = None, replicas: "Replicas | None" = None):  # fmt: skip
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
         # from the watcher, when wired: is the server up, check it, its recoveries and seconds paused for loads so far
         self.serving, self.on_failed_group, self.recoveries = serving, on_failed_group, recoveries
         self.weight_load_s, self.idle = weight_load_s, idle
         self.env_names = env_names or []  # a mixture's envs: per-env metrics env/<name>/...
+        self.replicas = replicas  # when wired: replicas up and rollouts rerouted, per cut
+        self._rerouted_at_cut = 0
         self.sink = Sink(cfg.batch_size, cfg.off_policy_bound)
         self.dispatcher = Dispatcher(source, runner, policy, cfg.group_size, cfg.max_inflight, cfg.rollout_timeout_s,
                                      self._deliver, self.may_admit)  # fmt: skip
@@ -228,6 +231,10 @@ class Orchestrator:
             stats[M.ROLLOUT_MAX_S] = seconds[-1]
         if self.idle is not None and (idle := self.idle.take()) is not None:
             stats[M.INFERENCE_IDLE] = idle
+        if self.replicas is not None:
+            stats[M.REPLICAS_UP] = float(self.replicas.up_count)
+            stats[M.ROLLOUTS_REROUTED] = float(self.replicas.rerouted - self._rerouted_at_cut)
+            self._rerouted_at_cut = self.replicas.rerouted
         reward_fns = sorted({name for r in rollouts for name in r.rewards})
         if len(reward_fns) > 1:  # with one reward function reward/<fn> would repeat reward/mean
             for name in reward_fns:
@@ -242,37 +249,51 @@ class Orchestrator:
         return stats
 
 
-async def training_envs(cfg: RunConfig, model_path: str,
-                        stack: contextlib.AsyncExitStack) -> tuple[RolloutRunner, Iterable, list[str]]:  # fmt: skip
-    """The rollout runner and task stream of the training env, or of the `mixture` (primerl.envs.mixture) with its
-    env names; every env served inside `stack`."""
-    from primerl.envs.mixture import MixtureRunner, mixed_tasks
-    from primerl.envs.verifiers_env import env_runner, load_env
+async def training_envs(cfg: RunConfig, model_path: str, stack: contextlib.AsyncExitStack,
+                        replicas: "Replicas") -> tuple[RolloutRunner, Iterable, list[str]]:  # fmt: skip
+    """The rollout runner (over the inference `replicas`) and task stream of the training env, or of the `mixture`
+    (primerl.envs.mixture) with its env names; every env served inside `stack`."""
+    from primerl.envs.mixture import mixed_tasks
+    from primerl.envs.verifiers_env import load_env
 
     orch = cfg.orchestrator
-    runners, streams = {}, {}
+    envs, streams = {}, {}
     for entry in cfg.mixture or [cfg.env]:
-        env = load_env(entry)
-        await stack.enter_async_context(env.serving())
-        runners[entry.id] = env_runner(env, model_path, cfg.inference, orch.temperature, orch.max_tokens,
-                                       orch.sampling_args)  # fmt: skip
-        streams[entry.id] = env.taskset
+        envs[entry.id] = load_env(entry)
+        await stack.enter_async_context(envs[entry.id].serving())
+        streams[entry.id] = envs[entry.id].taskset
+    runner = replica_runner(envs, cfg, model_path, replicas, orch.temperature, orch.max_tokens, bool(cfg.mixture))
     if not cfg.mixture:
-        return runners[cfg.env.id], streams[cfg.env.id], []
+        return runner, streams[cfg.env.id], []
     weights = {entry.id: entry.weight for entry in cfg.mixture}
     log.info(
         "training on a mixture: %s", ", ".join(f"{name} {w / sum(weights.values()):.2f}" for name, w in weights.items())
     )
-    return MixtureRunner(runners), mixed_tasks(streams, weights, cfg.seed), list(runners)
+    return runner, mixed_tasks(streams, weights, cfg.seed), list(envs)
 
 
-async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
-                       stack: contextlib.AsyncExitStack) -> "OnlineEval | None":  # fmt: skip
+def replica_runner(envs: dict, cfg: RunConfig, model_path: str, replicas: "Replicas", temperature: float,
+                   max_tokens: int, mixture: bool = False) -> RolloutRunner:  # fmt: skip
+    """Rollouts of `envs` (one env, or a mixture's MixedTasks when there are several) spread over `replicas`."""
+    from primerl.envs.mixture import MixtureRunner
+    from primerl.envs.verifiers_env import env_runner
+    from primerl.orchestrator.replicas import ReplicaRunner
+
+    per_replica = []
+    for client in replicas.clients:
+        runners = {name: env_runner(env, model_path, cfg.inference, temperature, max_tokens,
+                                    cfg.orchestrator.sampling_args, client.base_url) for name, env in envs.items()}  # fmt: skip
+        per_replica.append(MixtureRunner(runners) if mixture else next(iter(runners.values())))
+    return ReplicaRunner(per_replica, replicas)
+
+
+async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path, stack: contextlib.AsyncExitStack,
+                       replicas: "Replicas") -> "OnlineEval | None":  # fmt: skip
     """The online evals of `eval.every`, their envs served inside `stack`; None when off or there is nothing to
     evaluate (no `eval.envs` and no held-out split, `env.eval_args`, of the training env)."""
     import itertools
 
-    from primerl.envs.verifiers_env import env_runner, load_env
+    from primerl.envs.verifiers_env import load_env
     from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
 
     e, orch = cfg.eval, cfg.orchestrator
@@ -288,8 +309,8 @@ async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path,
         env = load_env(env_cfg)
         await stack.enter_async_context(env.serving())
         name = env_cfg.id if all(s.name != env_cfg.id for s in suites) else f"{env_cfg.id}#{len(suites) + 1}"
-        runner = env_runner(env, model_path, cfg.inference, e.temperature, e.max_tokens or orch.max_tokens,
-                            orch.sampling_args)  # fmt: skip
+        runner = replica_runner({env_cfg.id: env}, cfg, model_path, replicas, e.temperature,
+                                e.max_tokens or orch.max_tokens)  # fmt: skip
         suites.append(EvalSuite(name, runner, list(itertools.islice(iter(env.taskset), e.num_tasks))))
     return OnlineEval(suites, e, cfg.trainer.max_steps, run_dir, orch.rollout_timeout_s)
 
@@ -298,8 +319,10 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     """The real thing: a verifiers env through the train client, a vLLM server, the run directory."""
     from transformers import AutoTokenizer
 
+    from primerl.inference.config import replica_urls
     from primerl.model.start import initial_model_path
     from primerl.orchestrator.inference_client import InferenceClient
+    from primerl.orchestrator.replicas import Replicas
     from primerl.orchestrator.watcher import Watcher
 
     orch, inf = cfg.orchestrator, cfg.inference
@@ -313,19 +336,22 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     start, position = writer.resume_point()
     if start:
         log.info("resuming at step %d, task %d", start, position)
-    async with (InferenceClient(f"http://{inf.host}:{inf.port}", inf.api_key) as client,
-                contextlib.AsyncExitStack() as served_envs):  # fmt: skip
-        runner, tasks, env_names = await training_envs(cfg, model_path, served_envs)
-        online_eval = await online_evals(cfg, model_path, run_dir, served_envs)
-        await client.wait_healthy(inf.startup_timeout_s)
-        policy = Policy(await client.policy_version())
-        watcher = Watcher(run_dir, client, policy, orch.weight_poll_s, inf.startup_timeout_s,
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key)) for url in replica_urls(inf)]
+        replicas = Replicas(clients)
+        runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas)
+        online_eval = await online_evals(cfg, model_path, run_dir, stack, replicas)
+        await asyncio.gather(*(client.wait_healthy(inf.startup_timeout_s) for client in clients))
+        served = {await client.policy_version() for client in clients}
+        policy = Policy(min(served))  # replicas that serve another version get the newest at watcher.update()
+        watcher = Watcher(run_dir, replicas, policy, orch.weight_poll_s, inf.startup_timeout_s,
                           before_load=online_eval.before_load if online_eval else None)  # fmt: skip
-        idle = IdleSampler(client.running_requests)
+        idle = IdleSampler(replicas.running_requests)
         orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(tasks, position),
                                     runner, writer, policy, start, serving=lambda: watcher.serving,
                                     on_failed_group=watcher.check_health, recoveries=lambda: watcher.recoveries,
-                                    weight_load_s=lambda: watcher.load_s, idle=idle, env_names=env_names)  # fmt: skip
+                                    weight_load_s=lambda: watcher.load_s, idle=idle, env_names=env_names,
+                                    replicas=replicas)  # fmt: skip
         watcher.on_change = orchestrator.notify
         await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
         helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]

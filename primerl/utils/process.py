@@ -7,10 +7,23 @@ import subprocess
 import time
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port that is free now, with the `count - 1` ports after it free too (replicas on consecutive ports)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+        if first + count - 1 <= 65535 and all(_bindable(host, first + i) for i in range(1, count)):
+            return first
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

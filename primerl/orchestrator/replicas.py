@@ -1,0 +1,96 @@
+"""Inference replicas: which are up, how many rollouts each is running, and the runner that spreads rollouts over them.
+
+`Replicas` is the orchestrator's one view of its N inference servers (`inference.replicas`); the watcher marks them
+down and up (primerl.orchestrator.watcher), `ReplicaRunner` picks one per rollout.
+
+Invariants:
+- a rollout runs on one replica from its first turn to its last (the replica's prefix cache holds its earlier turns);
+- a new rollout goes to the up replica with the fewest rollouts outstanding (ties: the lowest index), never to one
+  marked down;
+- a rollout whose every trace failed is checked against its replica's health: when the replica does not answer, it is
+  marked down and the rollout runs again, from the start, on another up replica (counted in `rerouted`); a rollout
+  is run at most once per replica. Failures on a replica that is up are the env's, and stay failures.
+"""
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from primerl.envs.verifiers_env import Rollout, RolloutFailure
+from primerl.orchestrator.inference_client import InferenceClient
+from primerl.orchestrator.types import RolloutRunner
+from primerl.utils.log import get_logger
+
+log = get_logger(__name__)
+
+
+class Replicas:
+    def __init__(self, clients: Sequence[InferenceClient]):
+        if not clients:
+            raise ValueError("need at least one inference replica")
+        self.clients = list(clients)
+        self.up = [True] * len(clients)
+        self.outstanding = [0] * len(clients)
+        self.rerouted = 0  # rollouts run again on another replica after theirs went down, cumulative
+        self.down_event = asyncio.Event()  # set by mark_down: the watcher starts that replica's recovery
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    @property
+    def serving(self) -> bool:
+        return any(self.up)
+
+    @property
+    def up_count(self) -> int:
+        return sum(self.up)
+
+    def pick(self, exclude: set[int] = frozenset()) -> int | None:
+        """The up replica with the fewest outstanding rollouts, not in `exclude`; None when there is none."""
+        candidates = [i for i, up in enumerate(self.up) if up and i not in exclude]
+        return min(candidates, key=lambda i: (self.outstanding[i], i)) if candidates else None
+
+    def mark_down(self, index: int, why: str) -> None:
+        if self.up[index]:
+            self.up[index] = False
+            log.warning("inference replica %d (%s) is down: %s", index, self.clients[index].base_url, why)
+            self.down_event.set()
+
+    def mark_up(self, index: int) -> None:
+        self.up[index] = True
+
+    async def running_requests(self) -> float | None:
+        """vLLM's running requests summed over the up replicas (None when none could be read)."""
+        values = await asyncio.gather(*(c.running_requests() for c, up in zip(self.clients, self.up) if up))
+        read = [v for v in values if v is not None]
+        return sum(read) if read else None
+
+
+class ReplicaRunner:
+    """A `RolloutRunner` over per-replica runners (`runners[i]` sends its requests to replica i)."""
+
+    def __init__(self, runners: Sequence[RolloutRunner], replicas: Replicas):
+        if len(runners) != len(replicas):
+            raise ValueError(f"{len(runners)} runners for {len(replicas)} replicas")
+        self.runners, self.replicas = list(runners), replicas
+
+    async def run(self, task: Any) -> list[Rollout | RolloutFailure]:
+        tried: set[int] = set()
+        entries: list[Rollout | RolloutFailure] = []
+        while (index := self.replicas.pick(tried)) is not None:
+            tried.add(index)
+            self.replicas.outstanding[index] += 1
+            try:
+                entries = await self.runners[index].run(task)
+            finally:
+                self.replicas.outstanding[index] -= 1
+            if any(isinstance(e, Rollout) for e in entries) or await self.replicas.clients[index].healthy():
+                return entries
+            self.replicas.mark_down(index, f"a rollout failed ({_first_reason(entries)}) and /health did not answer")
+            if self.replicas.pick(tried) is not None:
+                self.replicas.rerouted += 1
+        return entries or [RolloutFailure("no inference replica is up")]
+
+
+def _first_reason(entries: list[Rollout | RolloutFailure]) -> str:
+    return next((e.reason[:120] for e in entries if isinstance(e, RolloutFailure)), "no trace")

@@ -1,0 +1,189 @@
+"""Inference replicas, orchestrator side: rollouts spread by least outstanding, a dead replica's rollouts run again on
+another, weights loaded into every replica, and a replica taken back with the current policy. Fake servers (the
+real vLLM path is in tests/test_faults.py)."""
+
+import asyncio
+import socket
+
+import pytest
+
+from primerl.envs.verifiers_env import Rollout, RolloutFailure, ScoredBranch
+from primerl.orchestrator.replicas import ReplicaRunner, Replicas
+from primerl.orchestrator.types import Policy
+from primerl.orchestrator.watcher import Watcher
+from primerl.transport.atomic import STABLE_MARKER
+from primerl.transport.run_dir import weights_path
+from primerl.utils.errors import RunError
+
+
+class FakeServer:
+    """What the orchestrator sees of one vLLM replica: health, the version it serves, weight loads."""
+
+    def __init__(self, name: str):
+        self.base_url = f"http://{name}"
+        self.up = True
+        self.served = 0
+        self.loads: list[int] = []
+
+    async def healthy(self) -> bool:
+        return self.up
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        for _ in range(int(timeout_s / 0.01)):
+            if self.up:
+                return
+            await asyncio.sleep(0.01)
+        raise RunError(f"{self.base_url} not healthy after {timeout_s}s")
+
+    async def policy_version(self) -> int:
+        return self.served
+
+    async def load_weights(self, path, version: int) -> float:
+        if not self.up:
+            raise RuntimeError("connection refused")
+        await asyncio.sleep(0.01)
+        self.served = version
+        self.loads.append(version)
+        return 0.01
+
+    async def running_requests(self) -> float | None:
+        return 0.0 if self.up else None
+
+
+class ServerRunner:
+    """Runs a rollout against one fake server: it takes `seconds`, and fails while the server is down."""
+
+    def __init__(self, server: FakeServer, seconds: float = 0.05):
+        self.server, self.seconds = server, seconds
+        self.tasks: list = []
+
+    async def run(self, task):
+        self.tasks.append(task)
+        await asyncio.sleep(self.seconds)
+        if not self.server.up:
+            return [RolloutFailure("Connection error")]
+        return [Rollout(1.0, {}, [ScoredBranch([1, 2], [False, True], [0.0, -0.1])], "ok")]
+
+
+def replica_set(n: int, seconds: float = 0.05):
+    servers = [FakeServer(f"replica{i}") for i in range(n)]
+    replicas = Replicas(servers)
+    runners = [ServerRunner(s, seconds) for s in servers]
+    return servers, replicas, runners, ReplicaRunner(runners, replicas)
+
+
+def test_rollouts_go_to_the_least_loaded_up_replica_and_a_dead_ones_run_again_elsewhere():
+    servers, replicas, runners, runner = replica_set(3)
+
+    async def main():
+        # 9 at once: 3 each (least outstanding, ties to the lowest index)
+        await asyncio.gather(*(runner.run(i) for i in range(9)))
+        assert [len(r.tasks) for r in runners] == [3, 3, 3]
+        assert replicas.outstanding == [0, 0, 0]
+        # replica 1 dies: its next rollout fails, /health confirms, the rollout runs again on another replica
+        servers[1].up = False
+        results = await asyncio.gather(*(runner.run(100 + i) for i in range(6)))
+        assert all(isinstance(e, Rollout) for entries in results for e in entries)  # none lost
+        assert replicas.up == [True, False, True] and replicas.rerouted == 2
+        assert sorted(t for t in runners[1].tasks if t >= 100) == [101, 104]  # tried there first, then moved
+        assert sorted(t for r in (runners[0], runners[2]) for t in r.tasks if t >= 100) == [100, 101, 102, 103, 104,
+                                                                                            105]  # fmt: skip
+        # nothing more goes to it while it is down
+        await asyncio.gather(*(runner.run(200 + i) for i in range(4)))
+        assert not [t for t in runners[1].tasks if t >= 200]
+        # a failure on a replica that is up is the env's: counted as a failure, not rerouted
+        runners[0].server, fake_down = FakeServer("broken-env"), runners[0].server
+        runners[0].server.up = False  # the rollout fails, but replica 0 still answers /health
+        assert isinstance((await runner.run(300))[0], RolloutFailure) and replicas.rerouted == 2
+        assert replicas.up == [True, False, True]
+        runners[0].server = fake_down
+        # every replica down: the failure is returned, nothing hangs
+        for server in servers:
+            server.up = False
+        entries = await runner.run(400)
+        assert isinstance(entries[0], RolloutFailure) and not replicas.serving
+
+    asyncio.run(main())
+
+
+def publish(run_dir, version: int) -> None:
+    weights_path(run_dir, version).mkdir(parents=True)
+    (weights_path(run_dir, version) / STABLE_MARKER).touch()
+
+
+def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_policy(tmp_path):
+    servers, replicas, runners, runner = replica_set(2)
+    policy, changes = Policy(), []
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 0.5, on_change=lambda: changes.append(policy.version))
+
+    async def until(condition, timeout_s: float = 5.0) -> None:
+        for _ in range(int(timeout_s / 0.01)):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached")
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        publish(tmp_path, 1)
+        await until(lambda: policy.version == 1)
+        assert [s.loads for s in servers] == [[1], [1]]  # both, in one update
+        # replica 0 crashes; a health check (as after a group whose rollouts all failed) takes it out
+        servers[0].up = False
+        watcher.check_health()
+        await until(lambda: replicas.up == [False, True])
+        assert watcher.serving
+        publish(tmp_path, 2)
+        await until(lambda: policy.version == 2)
+        assert servers[0].loads == [1] and servers[1].loads == [1, 2]  # the live one moves on alone
+        # it comes back restarted, serving the start weights: it gets v2 before it takes rollouts again
+        servers[0].served = 0
+        servers[0].up = True
+        await until(lambda: replicas.up == [True, True])
+        assert servers[0].served == 2 and watcher.recoveries == 1
+        # every replica down: admission stops; the first back gets the newest published policy
+        for server in servers:
+            server.up = False
+        watcher.check_health()
+        await until(lambda: not watcher.serving)
+        publish(tmp_path, 3)
+        await asyncio.sleep(0.1)
+        assert policy.version == 2  # nothing could load it
+        servers[1].served, servers[1].up = 0, True
+        await until(lambda: replicas.up == [False, True])
+        assert policy.version == 3 and servers[1].served == 3
+        # a replica that stays down past recovery_timeout_s while another serves does not end the run
+        await asyncio.sleep(0.7)
+        assert not task.done()
+        # the last one up goes down too, and nothing comes back: the run ends with the recovery's error
+        servers[1].up = False
+        watcher.check_health()
+        with pytest.raises(RunError, match="not healthy"):
+            await asyncio.wait_for(task, 5.0)
+
+    asyncio.run(main())
+    assert changes[:2] == [1, 2]
+
+
+def test_replica_config_ports_and_errors():
+    from primerl.config.errors import ConfigError
+    from primerl.config.schema import RunConfig
+    from primerl.config.validate import validate
+    from primerl.inference.config import replica_urls
+    from primerl.inference.server import render_specs
+    from primerl.utils.process import free_port
+
+    cfg = RunConfig()
+    cfg.inference.port, cfg.inference.replicas = 8100, 3
+    assert replica_urls(cfg.inference) == [f"http://127.0.0.1:{p}" for p in (8100, 8101, 8102)]
+    specs = render_specs(cfg, "/model", "cpu")
+    assert [s.port for s in specs] == [8100, 8101, 8102]
+    assert [s.args[s.args.index("--port") + 1] for s in specs] == ["8100", "8101", "8102"]
+    cfg.inference.pd.enabled = True
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == "inference.replicas"
+    first = free_port(count=4)
+    for port in range(first, first + 4):  # all four are free
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
