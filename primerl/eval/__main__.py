@@ -86,12 +86,13 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
         log.warning(f"the env has {len(tasks)} tasks, fewer than eval.num_tasks={e.num_tasks}")
     device = resolve_device(inf)
     check_supported(inf, device)
-    (spec,) = render_specs(cfg, model_path, device)[-1:]  # with PD: the decode server takes the requests
+    # one server: the decode server with PD, the first with inference.replicas (one is enough to evaluate)
+    spec = render_specs(cfg, model_path, device)[-1 if inf.pd.enabled else 0]
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), vllm_scratch_prefix(cfg.output_dir))
     with server.start(inf.startup_timeout_s):
         runner = env_runner(env, model_path, inf, e.temperature, e.max_tokens or cfg.orchestrator.max_tokens,
-                            cfg.orchestrator.sampling_args)  # fmt: skip
+                            cfg.orchestrator.sampling_args, spec.base_url)  # fmt: skip
 
         async def main() -> list[TaskResult]:
             with tqdm(total=len(tasks) * e.samples_per_task, desc="eval", dynamic_ncols=True) as bar:
