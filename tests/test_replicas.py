@@ -165,6 +165,24 @@ def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_pol
     assert changes[:2] == [1, 2]
 
 
+def test_weights_a_live_replica_keeps_refusing_end_the_run(tmp_path):
+    servers, replicas, _, _ = replica_set(2)
+
+    async def refuse(path, version):
+        raise RuntimeError("primerl_load_weights failed (500): not a stable weight directory")
+
+    servers[1].load_weights = refuse  # it answers /health, but will not take the weights
+    watcher = Watcher(tmp_path, replicas, Policy(), 0.01, 0.5)
+    publish(tmp_path, 1)
+
+    async def main():
+        with pytest.raises(RunError, match="3 times in a row.*not a stable weight directory"):
+            await asyncio.wait_for(watcher.run(), 5.0)
+
+    asyncio.run(main())
+    assert replicas.up == [True, True]  # a refusal is not a crash: nobody was taken out
+
+
 def test_replica_config_ports_and_errors():
     from primerl.config.errors import ConfigError
     from primerl.config.schema import RunConfig

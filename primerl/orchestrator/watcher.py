@@ -30,6 +30,7 @@ from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
 HEALTH_EVERY_S = 5.0
+MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they refuse end the run
 
 
 class Watcher:
@@ -44,6 +45,7 @@ class Watcher:
         self.recoveries = 0  # replicas brought back, cumulative
         self._suspect = asyncio.Event()
         self._recovering: dict[int, asyncio.Task] = {}
+        self._load_failures = 0
 
     @property
     def serving(self) -> bool:
@@ -66,6 +68,10 @@ class Watcher:
                         await self.probe()
                     await self.update()
                 except (httpx.HTTPError, RuntimeError) as err:
+                    self._load_failures += 1
+                    if self._load_failures >= MAX_LOAD_FAILURES:
+                        raise RunError(f"loading new weights failed {self._load_failures} times in a row on "
+                                       f"replicas that are up: {type(err).__name__}: {err}") from err  # fmt: skip
                     log.warning("weight update failed (%s: %s); checking the servers", type(err).__name__, err)
                     await self.probe()
                 self._start_recoveries()
@@ -116,6 +122,7 @@ class Watcher:
         log.info("policy v%d -> v%d loaded in flight in %.2fs (%d replica%s)", self.policy.version, version,
                  max(seconds), len(seconds), "" if len(seconds) == 1 else "s")  # fmt: skip
         self.policy.version = version
+        self._load_failures = 0
         self.load_s += max(seconds)
         self.loads += 1
         self.on_change()
