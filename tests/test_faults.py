@@ -97,7 +97,13 @@ def test_bad_rewards_are_counted_and_a_crashed_replica_is_rerouted_restarted_and
     try:
         _wait_healthy(port, inference)
         _wait_healthy(port + 1, inference)
-        model_path = re.search(r"serving (\S+) at", inference_log.read_text()).group(1)
+        # logged once both servers are ready (it may lag our health checks by its 1 s poll)
+        deadline, served = time.monotonic() + 60, None
+        while served is None and time.monotonic() < deadline:
+            served = re.search(r"serving (\S+) at", inference_log.read_text())
+            time.sleep(0.2)
+        assert served, "the inference process did not log what it serves"
+        model_path = served.group(1)
         with open(orchestrator_log, "wb") as out:
             orchestrator = subprocess.Popen([sys.executable, "-m", "primerl.orchestrator", *args,
                                              f"hydra.run.dir={run}/logs/orch"], cwd=ROOT, env=env, stdout=out,
