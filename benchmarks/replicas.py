@@ -91,11 +91,11 @@ def main() -> None:
 
     published = save_hf_checkpoint(load_file(Path(model) / "model.safetensors"), model, weights_path(root, 1))
     servers = []
-    for core, spec in enumerate(render_specs(cfg, model, "cpu")):
-        spec.env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    for spec in render_specs(cfg, model, "cpu"):  # each replica's OpenMP threads on its own core
         server = VllmServer(spec, root / f"vllm-{spec.port}.log")
         server.spawn()
-        os.sched_setaffinity(server.process.pid, {core % os.cpu_count()})  # before vLLM forks its engine core
+        cores = {int(c) for c in spec.env["VLLM_CPU_OMP_THREADS_BIND"].split(",")}
+        os.sched_setaffinity(server.process.pid, cores)  # the whole server there, before vLLM forks its engine core
         servers.append(server)
     try:
         for server in servers:

@@ -3,6 +3,7 @@ another, weights loaded into every replica, and a replica taken back with the cu
 real vLLM path is in tests/test_faults.py)."""
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -188,7 +189,7 @@ def test_replica_config_ports_and_errors():
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
     from primerl.inference.config import replica_urls
-    from primerl.inference.server import render_specs
+    from primerl.inference.server import render_specs, replica_cores
     from primerl.utils.process import free_port
 
     cfg = RunConfig()
@@ -197,6 +198,11 @@ def test_replica_config_ports_and_errors():
     specs = render_specs(cfg, "/model", "cpu")
     assert [s.port for s in specs] == [8100, 8101, 8102]
     assert [s.args[s.args.index("--port") + 1] for s in specs] == ["8100", "8101", "8102"]
+    # on CPU each replica's OpenMP threads get their own cores (vLLM's `auto` put all of them on one)
+    binds = [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs]
+    assert binds == replica_cores(3)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert binds[0] != binds[1]
     cfg.inference.pd.enabled = True
     with pytest.raises(ConfigError) as err:
         validate(cfg)

@@ -109,13 +109,27 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         if inf.cpu_idle_spin_s is not None:
             env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
     if not inf.pd.enabled:
-        ports = [inf.port + i for i in range(inf.replicas)]
-        return [ServerSpec(args + ["--port", str(port)], env, inf.host, port) for port in ports]
+        specs = [ServerSpec(args + ["--port", str(inf.port + i)], dict(env), inf.host, inf.port + i)
+                 for i in range(inf.replicas)]  # fmt: skip
+        if device == "cpu" and inf.replicas > 1:
+            for spec, cores in zip(specs, replica_cores(inf.replicas), strict=True):
+                spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        return specs
     specs = []
     for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
         transfer = f'{{"kv_connector":"{inf.pd.kv_connector}","kv_role":"{role}"}}'
         specs.append(ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer], env, inf.host, port))
     return specs
+
+
+def replica_cores(replicas: int) -> list[str]:
+    """CPU replicas: the cores each one's OpenMP threads bind to, this process's cores split evenly (in turn when
+    there are fewer cores than replicas). vLLM's own `auto` binds every replica to the same core, where their
+    spinning OpenMP threads starved each other: with 2 replicas on 2 cores every rollout of tests/test_faults.py
+    timed out at 5 s."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // replicas)
+    return [",".join(str(cores[(i * per + j) % len(cores)]) for j in range(per)) for i in range(replicas)]
 
 
 class VllmServer:
