@@ -10,7 +10,9 @@ import json
 GENERATE_PATH = "/inference/v1/generate"
 
 
-def add_token_strings(payload: dict) -> dict:
+def add_token_strings(payload):
+    if not isinstance(payload, dict):  # e.g. `null` for a request whose client went away
+        return payload
     for choice in payload.get("choices") or []:
         for entry in (choice.get("logprobs") or {}).get("content") or []:
             if "token_id" in entry and "token" not in entry:
