@@ -124,9 +124,8 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
 
 def replica_cores(replicas: int) -> list[str]:
     """CPU replicas: the cores each one's OpenMP threads bind to, this process's cores split evenly (in turn when
-    there are fewer cores than replicas). vLLM's own `auto` binds every replica to the same core, where their
-    spinning OpenMP threads starved each other: with 2 replicas on 2 cores every rollout of tests/test_faults.py
-    timed out at 5 s."""
+    there are fewer cores than replicas). vLLM's own `auto` binds every replica's OpenMP threads to the same core (seen
+    here: 2 replicas on 2 cores, both on core 0)."""
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // replicas)
     return [",".join(str(cores[(i * per + j) % len(cores)]) for j in range(per)) for i in range(replicas)]
