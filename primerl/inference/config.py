@@ -57,6 +57,11 @@ class InferenceConfig:
     extra_args: list[str] = field(default_factory=list)
 
 
+def replica_ports(inf: InferenceConfig) -> list[int]:
+    """The ports of the inference replicas, in replica order: consecutive from `inference.port`."""
+    return [inf.port + i for i in range(inf.replicas)]
+
+
 def replica_urls(inf: InferenceConfig) -> list[str]:
     """Base URLs of the inference replicas, in replica order."""
-    return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]
+    return [f"http://{inf.host}:{port}" for port in replica_ports(inf)]

@@ -20,7 +20,7 @@ import torch
 
 from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
-from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
+from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization, replica_ports
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.run_dir import weights_root
@@ -109,8 +109,7 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         if inf.cpu_idle_spin_s is not None:
             env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
     if not inf.pd.enabled:
-        specs = [ServerSpec(args + ["--port", str(inf.port + i)], dict(env), inf.host, inf.port + i)
-                 for i in range(inf.replicas)]  # fmt: skip
+        specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
         if device == "cpu" and inf.replicas > 1:
             for spec, cores in zip(specs, replica_cores(inf.replicas), strict=True):
                 spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
