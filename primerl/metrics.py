@@ -30,6 +30,8 @@ class OrchestratorMetric:
     INFERENCE_IDLE = "inference/idle_fraction"  # of the wall time since the previous cut with no running request
     REPLICAS_UP = "inference/replicas_up"  # inference replicas taking rollouts when the batch was cut
     ROLLOUTS_REROUTED = "rollouts/rerouted"  # run again on another replica after theirs went down, since the cut
+    ENV_WORKERS_UP = "env/workers_up"  # env worker processes taking rollouts when the batch was cut (env.workers)
+    ENV_WORKER_RESTARTS = "env/worker_restarts"  # env workers started again after one was lost, cumulative
     LOOP_LAG_MAX = "loop/lag_max_s"  # event-loop lag: how late a 50 ms timer fired
     LOOP_LAG_MEAN = "loop/lag_mean_s"
     ROLLOUT_MEDIAN_S = "time/rollout_median_s"  # wall time of the rollouts finished since the previous cut

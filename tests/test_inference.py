@@ -313,3 +313,67 @@ def test_update_in_flight_keeps_requests_and_never_reuses_old_kv(server):
     assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3)
     _generate(server, prompt)
     assert _prefix_hits(server) > before  # blocks computed after the update are shared again
+
+
+def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_come_back(server):
+    """Rollouts of the faulty env in 2 env worker processes (verifiers' EnvServer each) against this real server: a
+    reward that raises costs its rollout; a worker that exits (os._exit) or blocks its event loop costs only the
+    rollouts it held, is started again, and serves again; the other worker's rollouts all come back."""
+    import itertools
+    import sys
+
+    from primerl.envs.verifiers_env import Rollout, RolloutFailure, env_config, load_env, model_context
+    from primerl.envs.workers import EnvWorkers
+
+    envs_dir = str(Path(__file__).parent / "envs")
+    if envs_dir not in sys.path:
+        sys.path.insert(0, envs_dir)  # spawned workers get this process's sys.path
+    from faulty_reverse_text import fault_of
+
+    cfg = check(["+experiment=reverse_text", "env=verifiers", "env.id=faulty-reverse-text", "env.workers=2",
+                 "+env.args.process_faults=true", "+env.args.block_s=20", "env.worker_timeout_s=3",
+                 f"inference.api_key={API_KEY}"])  # fmt: skip
+    env = load_env(cfg.env)
+    by_fault: dict = {}
+    for task in itertools.islice(iter(env.taskset), 400):
+        by_fault.setdefault(fault_of(task.data.text, True), []).append(task)
+    ok_tasks = by_fault[None]
+    ctx = model_context(str(server.model_dir), cfg.inference, 1.0, 12, base_url=server.base_url)
+
+    def ok(entries) -> bool:
+        return len(entries) == 1 and isinstance(entries[0], Rollout)
+
+    async def main():
+        pool = EnvWorkers("faulty", env_config(cfg.env), 2, cfg.env.worker_timeout_s,
+                          task_type=type(env.taskset).task_type())  # fmt: skip
+        async with pool:
+            pids = [w.process.pid for w in pool.workers]
+            assert all(ok(r) for r in await asyncio.gather(*(pool.run(ctx, t) for t in ok_tasks[:4])))
+            assert [w.served for w in pool.workers] == [2, 2]  # least outstanding: 2 each
+
+            (raised,) = await pool.run(ctx, by_fault["raise"][0])
+            assert isinstance(raised, RolloutFailure) and "failed on purpose" in raised.reason
+            assert pool.restarts == 0  # an env error is data, not a lost worker
+
+            for fault, why in (("exit", "exited with code 3"), ("block", "no answer to a health check in 3s")):
+                # the faulty task goes to the idler worker, then 3 more each way: whoever shares the faulty one's
+                # worker may be lost with it, the other worker's rollouts all come back
+                results = await asyncio.gather(*(pool.run(ctx, t) for t in [by_fault[fault][0], *ok_tasks[4:10]]))
+                failed = [r[0].reason for r in results if not ok(r)]
+                assert isinstance(results[0][0], RolloutFailure) and why in results[0][0].reason, results[0]
+                assert all("lost" in reason for reason in failed), failed
+                assert len(failed) <= 4, failed  # at most the faulty worker's share
+                for _ in range(600):  # started again
+                    if pool.live_count == 2:
+                        break
+                    await asyncio.sleep(0.1)
+                assert pool.live_count == 2
+            assert pool.restarts == 2 and pool.lost >= 2
+            assert all(ok(r) for r in await asyncio.gather(*(pool.run(ctx, t) for t in ok_tasks[10:14])))
+            pids += [w.process.pid for w in pool.workers]
+        return pids
+
+    pids = asyncio.run(main())
+    time.sleep(0.5)
+    for pid in pids:  # every worker, lost or not, is gone with the pool
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

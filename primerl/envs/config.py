@@ -6,6 +6,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from primerl.config.bounds import bounded
+
 
 @dataclass
 class EnvConfig:
@@ -18,6 +20,11 @@ class EnvConfig:
     # merged over `args` for evaluation: the env's held-out split (e.g. reverse-text's {stream: eval}); the default
     # online eval env when there is one (primerl.eval.config)
     eval_args: dict[str, Any] = field(default_factory=dict)
+    # rollouts run in this many worker processes (a verifiers EnvServer each; primerl.envs.workers), not in the
+    # orchestrator's event loop: an env's CPU work or crash then costs only its own rollouts. 0: in-process.
+    workers: int = bounded(0, ge=0)
+    # a worker that does not answer a health check for this long (its event loop blocked) is killed and restarted
+    worker_timeout_s: float = bounded(30.0, gt=0)
 
     def held_out(self) -> "EnvConfig":
         """This env with `eval_args` merged over `args`: its held-out split (itself when it names none)."""

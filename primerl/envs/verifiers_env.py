@@ -127,15 +127,15 @@ class EnvRunner:
 API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 
-def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
-               sampling_args: dict | None = None, base_url: str | None = None) -> EnvRunner:  # fmt: skip
-    """Rollouts of `env` against the inference server at `base_url` (default: the first of `inf`): verifiers' train
-    client (token ids, sampled mask, logprobs), tokenizing locally with `model_path`'s tokenizer. The orchestrator's
-    (one per replica) and the evaluator's runner."""
+def model_context(model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
+                  sampling_args: dict | None = None, base_url: str | None = None) -> vf.ModelContext:  # fmt: skip
+    """How rollouts sample from the inference server at `base_url` (default: the first of `inf`): verifiers' train
+    client (token ids, sampled mask, logprobs), tokenizing locally with `model_path`'s tokenizer. It crosses into env
+    workers as data (primerl.envs.workers)."""
     from primerl.transport.weights import SERVED_MODEL_NAME
 
-    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")
-    ctx = vf.ModelContext(
+    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")  # env workers inherit it
+    return vf.ModelContext(
         client=vf.TrainClientConfig(
             base_url=f"{base_url or f'http://{inf.host}:{inf.port}'}/v1",
             api_key_var=API_KEY_VAR,
@@ -145,4 +145,10 @@ def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature
         model=SERVED_MODEL_NAME,
         sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens, **(sampling_args or {})),
     )
-    return EnvRunner(env, ctx)
+
+
+def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
+               sampling_args: dict | None = None, base_url: str | None = None) -> EnvRunner:  # fmt: skip
+    """In-process rollouts of `env` with `model_context(...)`: the evaluator's runner, and the orchestrator's (one per
+    replica) when `env.workers=0`."""
+    return EnvRunner(env, model_context(model_path, inf, temperature, max_tokens, sampling_args, base_url))

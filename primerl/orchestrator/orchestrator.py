@@ -30,7 +30,7 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,8 @@ from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
+    from primerl.envs.config import EnvConfig
+    from primerl.envs.workers import EnvWorkers
     from primerl.orchestrator.online_eval import OnlineEval
     from primerl.orchestrator.replicas import Replicas
 
@@ -62,7 +64,8 @@ class Orchestrator:
                  writer: BatchWriter, policy: Policy, start_step: int = 0, serving: Callable[[], bool] = lambda: True,
                  on_failed_group: Callable[[], None] = lambda: None, recoveries: Callable[[], int] = lambda: 0,
                  weight_load_s: Callable[[], float] = lambda: 0.0, idle: IdleSampler | None = None,
-                 env_names: list[str] | None = None, replicas: "Replicas | None" = None):  # fmt: skip
+                 env_names: list[str] | None = None, replicas: "Replicas | None" = None,
+                 env_workers: "Sequence[EnvWorkers]" = ()):  # fmt: skip
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
         # from the watcher, when wired: is the server up, check it, its recoveries and seconds paused for loads so far
@@ -71,6 +74,7 @@ class Orchestrator:
         self.env_names = env_names or []  # a mixture's envs: per-env metrics env/<name>/...
         self.replicas = replicas  # when wired: replicas up and rollouts rerouted, per cut
         self._rerouted_at_cut = 0
+        self.env_workers = env_workers  # env worker pools (env.workers), training and eval: up and restarted, per cut
         self.sink = Sink(cfg.batch_size, cfg.off_policy_bound)
         self.dispatcher = Dispatcher(source, runner, policy, cfg.group_size, cfg.max_inflight, cfg.rollout_timeout_s,
                                      self._deliver, self.may_admit)  # fmt: skip
@@ -235,6 +239,9 @@ class Orchestrator:
             stats[M.REPLICAS_UP] = float(self.replicas.up_count)
             stats[M.ROLLOUTS_REROUTED] = float(self.replicas.rerouted - self._rerouted_at_cut)
             self._rerouted_at_cut = self.replicas.rerouted
+        if self.env_workers:
+            stats[M.ENV_WORKERS_UP] = float(sum(pool.live_count for pool in self.env_workers))
+            stats[M.ENV_WORKER_RESTARTS] = float(sum(pool.restarts for pool in self.env_workers))
         reward_fns = sorted({name for r in rollouts for name in r.rewards})
         if len(reward_fns) > 1:  # with one reward function reward/<fn> would repeat reward/mean
             for name in reward_fns:
@@ -249,20 +256,38 @@ class Orchestrator:
         return stats
 
 
-async def training_envs(cfg: RunConfig, model_path: str, stack: contextlib.AsyncExitStack,
-                        replicas: "Replicas") -> tuple[RolloutRunner, Iterable, list[str]]:  # fmt: skip
+async def serve_envs(entries: "Sequence[EnvConfig]", stack: contextlib.AsyncExitStack,
+                     pools: "list[EnvWorkers]") -> tuple[dict, dict]:  # fmt: skip
+    """Load each env (its taskset is the task stream) and serve it inside `stack`: in this process, or in its
+    `env.workers` worker processes (primerl.envs.workers; each pool is appended to `pools`). Returns the envs and
+    the worker pools by name."""
+    from primerl.envs.verifiers_env import env_config, load_env
+    from primerl.envs.workers import EnvWorkers
+
+    envs, by_name = {}, {}
+    for entry in entries:
+        env = envs[entry.id] = load_env(entry)
+        if entry.workers:
+            pool = EnvWorkers(entry.id, env_config(entry), entry.workers, entry.worker_timeout_s,
+                              task_type=type(env.taskset).task_type())  # fmt: skip
+            by_name[entry.id] = await stack.enter_async_context(pool)
+            pools.append(by_name[entry.id])
+        else:
+            await stack.enter_async_context(env.serving())
+    return envs, by_name
+
+
+async def training_envs(cfg: RunConfig, model_path: str, stack: contextlib.AsyncExitStack, replicas: "Replicas",
+                        pools: "list[EnvWorkers]") -> tuple[RolloutRunner, Iterable, list[str]]:  # fmt: skip
     """The rollout runner (over the inference `replicas`) and task stream of the training env, or of the `mixture`
     (primerl.envs.mixture) with its env names; every env served inside `stack`."""
     from primerl.envs.mixture import mixed_tasks
-    from primerl.envs.verifiers_env import load_env
 
     orch = cfg.orchestrator
-    envs, streams = {}, {}
-    for entry in cfg.mixture or [cfg.env]:
-        envs[entry.id] = load_env(entry)
-        await stack.enter_async_context(envs[entry.id].serving())
-        streams[entry.id] = envs[entry.id].taskset
-    runner = replica_runner(envs, cfg, model_path, replicas, orch.temperature, orch.max_tokens, bool(cfg.mixture))
+    envs, workers = await serve_envs(cfg.mixture or [cfg.env], stack, pools)
+    streams = {name: env.taskset for name, env in envs.items()}
+    runner = replica_runner(envs, workers, cfg, model_path, replicas, orch.temperature, orch.max_tokens,
+                            bool(cfg.mixture))  # fmt: skip
     if not cfg.mixture:
         return runner, streams[cfg.env.id], []
     weights = {entry.id: entry.weight for entry in cfg.mixture}
@@ -272,28 +297,31 @@ async def training_envs(cfg: RunConfig, model_path: str, stack: contextlib.Async
     return runner, mixed_tasks(streams, weights, cfg.seed), list(envs)
 
 
-def replica_runner(envs: dict, cfg: RunConfig, model_path: str, replicas: "Replicas", temperature: float,
-                   max_tokens: int, mixture: bool = False) -> RolloutRunner:  # fmt: skip
-    """Rollouts of `envs` (one env, or a mixture's MixedTasks when there are several) spread over `replicas`."""
+def replica_runner(envs: dict, workers: dict, cfg: RunConfig, model_path: str, replicas: "Replicas",
+                   temperature: float, max_tokens: int, mixture: bool = False) -> RolloutRunner:  # fmt: skip
+    """Rollouts of `envs` (one env, or a mixture's MixedTasks when there are several) spread over `replicas`; an env
+    with worker processes (`workers[name]`) runs its rollouts there."""
     from primerl.envs.mixture import MixtureRunner
-    from primerl.envs.verifiers_env import env_runner
+    from primerl.envs.verifiers_env import EnvRunner, model_context
+    from primerl.envs.workers import WorkerRunner
     from primerl.orchestrator.replicas import ReplicaRunner
 
     per_replica = []
     for client in replicas.clients:
-        runners = {name: env_runner(env, model_path, cfg.inference, temperature, max_tokens,
-                                    cfg.orchestrator.sampling_args, client.base_url) for name, env in envs.items()}  # fmt: skip
+        ctx = model_context(model_path, cfg.inference, temperature, max_tokens, cfg.orchestrator.sampling_args,
+                            client.base_url)  # fmt: skip
+        runners = {name: WorkerRunner(workers[name], ctx) if name in workers else EnvRunner(env, ctx)
+                   for name, env in envs.items()}  # fmt: skip
         per_replica.append(MixtureRunner(runners) if mixture else next(iter(runners.values())))
     return ReplicaRunner(per_replica, replicas)
 
 
 async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path, stack: contextlib.AsyncExitStack,
-                       replicas: "Replicas") -> "OnlineEval | None":  # fmt: skip
+                       replicas: "Replicas", pools: "list[EnvWorkers]") -> "OnlineEval | None":  # fmt: skip
     """The online evals of `eval.every`, their envs served inside `stack`; None when off or there is nothing to
     evaluate (no `eval.envs` and no held-out split, `env.eval_args`, of the training env)."""
     import itertools
 
-    from primerl.envs.verifiers_env import load_env
     from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
 
     e, orch = cfg.eval, cfg.orchestrator
@@ -306,10 +334,10 @@ async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path, stack: co
         return None
     suites = []
     for env_cfg in envs:
-        env = load_env(env_cfg)
-        await stack.enter_async_context(env.serving())
+        served, workers = await serve_envs([env_cfg], stack, pools)
+        env = served[env_cfg.id]
         name = env_cfg.id if all(s.name != env_cfg.id for s in suites) else f"{env_cfg.id}#{len(suites) + 1}"
-        runner = replica_runner({env_cfg.id: env}, cfg, model_path, replicas, e.temperature,
+        runner = replica_runner(served, workers, cfg, model_path, replicas, e.temperature,
                                 e.max_tokens or orch.max_tokens)  # fmt: skip
         suites.append(EvalSuite(name, runner, list(itertools.islice(iter(env.taskset), e.num_tasks))))
     return OnlineEval(suites, e, cfg.trainer.max_steps, run_dir, orch.rollout_timeout_s)
@@ -339,8 +367,9 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key)) for url in replica_urls(inf)]
         replicas = Replicas(clients)
-        runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas)
-        online_eval = await online_evals(cfg, model_path, run_dir, stack, replicas)
+        pools: list[EnvWorkers] = []  # env worker pools (env.workers), each with a supervisor task
+        runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas, pools)
+        online_eval = await online_evals(cfg, model_path, run_dir, stack, replicas, pools)
         await asyncio.gather(*(client.wait_healthy(inf.startup_timeout_s) for client in clients))
         served = {await client.policy_version() for client in clients}
         policy = Policy(min(served))  # replicas that serve another version get the newest at watcher.update()
@@ -351,10 +380,11 @@ async def run_orchestrator(cfg: RunConfig) -> None:
                                     runner, writer, policy, start, serving=lambda: watcher.serving,
                                     on_failed_group=watcher.check_health, recoveries=lambda: watcher.recoveries,
                                     weight_load_s=lambda: watcher.load_s, idle=idle, env_names=env_names,
-                                    replicas=replicas)  # fmt: skip
+                                    replicas=replicas, env_workers=pools)  # fmt: skip
         watcher.on_change = orchestrator.notify
         await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
         helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]
+        helpers += [pool.supervisor for pool in pools]  # a pool whose workers cannot start ends the run
         main = asyncio.create_task(orchestrator.run(), name="orchestrator")
         try:
             done, _ = await asyncio.wait([main, *helpers], return_when=asyncio.FIRST_COMPLETED)

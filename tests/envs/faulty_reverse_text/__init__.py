@@ -2,40 +2,71 @@
 
 For a task whose text hashes to 0, 1 or 2 (mod 8) the reward raises, hangs, or returns NaN; other tasks score as
 in reverse-text. The orchestrator must count those rollouts as failed and keep training.
+
+With `process_faults=true` (for env worker processes, primerl.envs.workers) a task whose text hashes to 3 or 4 (mod
+64) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
+own loop either would take the whole run down, in a worker only that worker's rollouts.
 """
 
 import asyncio
+import os
+import time
 import zlib
 
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
-from reverse_text import ReverseTextData, ReverseTextTaskset
+from reverse_text import ReverseTextConfig, ReverseTextData, ReverseTextTaskset
 
 from primerl.envs.reverse_text import lcs_ratio
 from primerl.envs.traces import final_reply
 
 
-def fault_of(text: str) -> str | None:
-    return {0: "raise", 1: "hang", 2: "nan"}.get(zlib.crc32(text.encode()) % 8)
+def fault_of(text: str, process_faults: bool = False) -> str | None:
+    crc = zlib.crc32(text.encode())
+    if process_faults and crc % 64 in (3, 4):
+        return {3: "exit", 4: "block"}[crc % 64]
+    return {0: "raise", 1: "hang", 2: "nan"}.get(crc % 8)
 
 
-class FaultyTask(vf.Task[ReverseTextData]):
+class FaultyData(ReverseTextData):
+    process_faults: bool = False
+    block_s: float = 60.0
+
+
+class FaultyTask(vf.Task[FaultyData]):
     @vf.reward
-    async def lcs(self, task: ReverseTextData, trace: vf.Trace) -> float:
-        fault = fault_of(task.text)
+    async def lcs(self, task: FaultyData, trace: vf.Trace) -> float:
+        fault = fault_of(task.text, task.process_faults)
         if fault == "raise":
             raise RuntimeError(f"reward function failed on purpose for {task.text!r}")
         if fault == "hang":
             await asyncio.sleep(3600)
         if fault == "nan":
             return float("nan")
+        if fault == "exit":
+            os._exit(3)
+        if fault == "block":
+            time.sleep(task.block_s)
         return lcs_ratio(final_reply(trace), task.text)
 
 
-class FaultyReverseTextTaskset(ReverseTextTaskset):
+class FaultyConfig(ReverseTextConfig):
+    process_faults: bool = False
+    block_s: float = 60.0
+
+
+class FaultyReverseTextTaskset(vf.Taskset[FaultyTask, FaultyConfig]):
+    """Declares its task type: an env worker rebuilds every task as the declared type."""
+
+    @property
+    def bounded(self) -> bool:
+        return self.config.num_tasks is not None if self._bounded is None else self._bounded
+
     def load(self):
-        for task in super().load():
-            yield FaultyTask(task.data, self.config.task)
+        for task in ReverseTextTaskset(self.config).load():
+            data = FaultyData(**task.data.model_dump(), process_faults=self.config.process_faults,
+                              block_s=self.config.block_s)  # fmt: skip
+            yield FaultyTask(data, self.config.task)
 
 
 __all__ = ["FaultyReverseTextTaskset", "ChatHarness"]

@@ -1,0 +1,260 @@
+"""Environment workers (`env.workers=N`): rollouts run in N worker processes, each a verifiers `EnvServer` reached
+through verifiers' `EnvClient` (ZMQ, msgpack), instead of in the orchestrator's event loop.
+
+Why not verifiers' own `EnvServerPool`: it has no restart-on-death (a TODO there), so a dead worker's requests never
+get a reply and new ones keep going to it. Here each worker is a single-process `serve_env` on its own ipc address,
+and `EnvWorkers` supervises them.
+
+Invariants:
+- a rollout runs on one worker from start to end; a new rollout goes to the live worker with the fewest rollouts
+  outstanding (ties: the lowest index), never to one that is starting or lost;
+- a worker that exits (any code or signal) or does not answer a health check for `worker_timeout_s` (its event loop
+  blocked) is lost: it is killed with its whole process group, every rollout it held comes back at once as a
+  `RolloutFailure` naming the worker and why, and a new one is started in its place (`restarts`), taking rollouts
+  once it answers;
+- an env that raises inside a rollout costs that rollout only: verifiers answers it as data;
+- `MAX_START_FAILURES` workers in a row that die before their first health answer end the run (`RunError`): that is a
+  broken env or config, not a fault to ride out;
+- workers never outlive the orchestrator: each watches a pipe from it (verifiers' death pipe) and exits on its EOF,
+  which a kill -9 of the orchestrator gives too.
+"""
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import verifiers.v1 as vf
+from verifiers.v1.serve import EnvClient, serve_env
+
+from primerl.envs.verifiers_env import Rollout, RolloutFailure, episode_rollouts
+from primerl.utils.errors import RunError
+from primerl.utils.log import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+MAX_START_FAILURES = 3
+HEALTH_EVERY_S = 1.0
+
+
+def serve_worker(config_data: dict, address: str, death_pipe: Any) -> None:
+    """A worker process's main: primerl's logging and client patches, then one verifiers `EnvServer`. Its own process
+    group, so that killing a lost worker takes any tool servers it started with it."""
+    from primerl.envs.http_transport import use_aiohttp_for_openai_clients
+    from primerl.envs.pydantic_speed import memoize_default_factory_check
+
+    os.setpgrp()
+    configure_logging()
+    memoize_default_factory_check()
+    use_aiohttp_for_openai_clients()
+    serve_env(max_workers=1, address=address, death_pipe=death_pipe, config_data=config_data)
+
+
+@dataclass
+class Worker:
+    index: int
+    incarnation: int
+    process: Any  # multiprocessing.Process
+    pipe: Any  # our end of its death pipe
+    client: EnvClient
+    gone: asyncio.Future  # its result is why the worker was lost
+    live: bool = False
+    outstanding: int = 0
+    served: int = 0  # rollouts finished on it
+    started: float = field(default_factory=time.monotonic)
+
+
+class EnvWorkers:
+    """N supervised env worker processes for one env (`config_data`: the verifiers env config dict of
+    primerl.envs.verifiers_env.env_config). An async context manager; `supervisor` is the task to watch: it raises
+    `RunError` when workers cannot start."""
+
+    def __init__(self, name: str, config_data: dict, count: int, timeout_s: float, startup_timeout_s: float = 300.0,
+                 task_type: type | None = None):  # fmt: skip
+        if count < 1:
+            raise ValueError(f"need at least one env worker, got {count}")
+        self.name, self.config_data, self.count = name, config_data, count
+        self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
+        self.workers: list[Worker | None] = [None] * count
+        self.restarts = 0  # workers started again after one was lost, cumulative
+        self.lost = 0  # rollouts failed because their worker was lost, cumulative
+        self.supervisor: asyncio.Task | None = None
+        self._live = asyncio.Event()
+        self._error: str | None = None
+        self._mp = mp.get_context("spawn")  # a fresh interpreter: no copy of the orchestrator's loop or sockets
+        self._dir = ""
+        # a worker rebuilds each task from its data as the taskset's declared task type; a task of another class (a
+        # taskset that yields a subclass it does not declare) would silently lose its behaviour there
+        self.task_type = task_type
+
+    @property
+    def live_count(self) -> int:
+        return sum(1 for w in self.workers if w is not None and w.live)
+
+    async def __aenter__(self) -> "EnvWorkers":
+        self._dir = tempfile.mkdtemp(prefix="primerl-env-")
+        keepers = [self._keep(i) for i in range(self.count)]
+        self.supervisor = asyncio.create_task(self._supervise(keepers), name=f"env workers {self.name}")
+        deadline = time.monotonic() + self.startup_timeout_s
+        while self.live_count < self.count:  # all of them up before the first rollout: a fair start
+            if self.supervisor.done():
+                self.supervisor.result()
+            if time.monotonic() > deadline:
+                raise RunError(f"env workers of {self.name}: {self.live_count}/{self.count} up after "
+                               f"{self.startup_timeout_s:.0f}s")  # fmt: skip
+            await asyncio.sleep(0.1)
+        log.info("%d env worker(s) serve %s", self.count, self.name)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.supervisor is not None:
+            self.supervisor.cancel()
+            await asyncio.gather(self.supervisor, return_exceptions=True)
+        for worker in self.workers:
+            if worker is not None:
+                await self._stop(worker, "the orchestrator is closing")
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def pick(self) -> Worker | None:
+        live = [w for w in self.workers if w is not None and w.live]
+        return min(live, key=lambda w: (w.outstanding, w.index)) if live else None
+
+    async def run(self, ctx: vf.ModelContext, task: Any) -> list[Rollout | RolloutFailure]:
+        """One rollout of `task` on a live worker, sampling with `ctx`. Never raises for the env's or a worker's
+        faults: they come back as `RolloutFailure`s."""
+        if self.task_type is not None and type(task) is not self.task_type:
+            return [RolloutFailure(f"env {self.name}: its taskset yields {type(task).__name__} but declares "
+                                   f"{self.task_type.__name__}, which a worker would run instead")]  # fmt: skip
+        while (worker := self.pick()) is None:
+            if self._error:
+                return [RolloutFailure(f"env workers of {self.name}: {self._error}")]
+            self._live.clear()
+            await self._live.wait()
+        worker.outstanding += 1
+        request = asyncio.ensure_future(worker.client.run(ctx.client, ctx.model, ctx.sampling,
+                                                          task.data.model_dump(mode="json")))  # fmt: skip
+        try:
+            await asyncio.wait([request, worker.gone], return_when=asyncio.FIRST_COMPLETED)
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+                self.lost += 1
+                return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}")]
+            try:
+                episode = request.result()
+            except Exception as err:  # the server's answer to a request it could not run
+                return [RolloutFailure(f"env worker {worker.index}: {str(err).splitlines()[0][:300]}")]
+            worker.served += 1
+            return episode_rollouts(episode)
+        finally:
+            if not request.done():  # cancelled from outside (rollout timeout, stale group)
+                request.cancel()
+            worker.outstanding -= 1
+
+    async def _supervise(self, keepers: list) -> None:
+        await asyncio.gather(*keepers)
+
+    async def _keep(self, index: int) -> None:
+        """Keep worker `index` running: start it, watch it, and start it again whenever it is lost."""
+        failed_starts = 0
+        for incarnation in range(1_000_000):
+            worker = self.workers[index] = self._start(index, incarnation)
+            reason = await self._watch(worker)
+            was_live = worker.live
+            await self._stop(worker, reason)
+            if was_live:
+                failed_starts = 0
+                log.warning("env worker %d of %s lost after %d rollouts (%s); starting it again", index, self.name,
+                            worker.served, reason)  # fmt: skip
+            else:
+                failed_starts += 1
+                log.warning("env worker %d of %s failed to start (%s), %d/%d", index, self.name, reason,
+                            failed_starts, MAX_START_FAILURES)  # fmt: skip
+                if failed_starts >= MAX_START_FAILURES:
+                    self._error = f"worker {index} failed to start {failed_starts} times in a row: {reason}"
+                    self._live.set()  # waiting rollouts see the error
+                    raise RunError(f"env workers of {self.name}: {self._error} (its log lines are above)")
+            self.restarts += 1
+
+    def _start(self, index: int, incarnation: int) -> Worker:
+        address = f"ipc://{self._dir}/{index}-{incarnation}"
+        ours, theirs = self._mp.Pipe()
+        process = self._mp.Process(target=serve_worker, args=(self.config_data, address, theirs),
+                                   name=f"env-worker-{index}", daemon=False)  # fmt: skip
+        process.start()
+        theirs.close()  # the worker holds the other end; our close (or death) is its EOF
+        return Worker(index, incarnation, process, ours, EnvClient(address), asyncio.get_running_loop().create_future())
+
+    async def _watch(self, worker: Worker) -> str:
+        """Until `worker` is lost; returns why. Marks it live at its first health answer."""
+        loop = asyncio.get_running_loop()
+        died = loop.create_future()
+        loop.add_reader(worker.process.sentinel, lambda: died.done() or died.set_result(None))
+        try:
+            while True:
+                timeout = self.timeout_s if worker.live else self.startup_timeout_s
+                health = asyncio.ensure_future(self._healthy(worker, timeout))
+                await asyncio.wait([health, died], return_when=asyncio.FIRST_COMPLETED)
+                if died.done():
+                    health.cancel()
+                    return _exit_reason(worker.process.exitcode)
+                if not health.result():
+                    return f"no answer to a health check in {timeout:.0f}s"
+                if not worker.live:
+                    worker.live = True
+                    self._live.set()
+                    log.info("env worker %d of %s is up (pid %d, %.1fs)", worker.index, self.name,
+                             worker.process.pid, time.monotonic() - worker.started)  # fmt: skip
+                await asyncio.wait([died], timeout=HEALTH_EVERY_S)
+        finally:
+            loop.remove_reader(worker.process.sentinel)
+
+    async def _healthy(self, worker: Worker, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:  # a starting worker answers nothing until it has bound its address: ask again
+            try:
+                if await worker.client.health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+                    return True
+            except Exception:  # a malformed or failed answer counts as none
+                pass
+            if time.monotonic() >= deadline:
+                return False
+
+    async def _stop(self, worker: Worker, reason: str) -> None:
+        """Kill `worker` (its process group), fail its rollouts with `reason`, free its socket."""
+        worker.live = False
+        if not worker.gone.done():
+            worker.gone.set_result(reason)
+        if worker.process.is_alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.process.pid, signal.SIGKILL)
+            worker.process.kill()
+        await asyncio.to_thread(worker.process.join, 10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.process.pid, signal.SIGKILL)  # what it started and left behind
+        worker.pipe.close()
+        await asyncio.sleep(0)  # its rollouts see `gone` and cancel their requests before the socket goes
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(worker.client.close(), 5)
+
+
+class WorkerRunner:
+    """The orchestrator's `RolloutRunner` over env workers: one per inference replica (its `ctx`), sharing the pool."""
+
+    def __init__(self, workers: EnvWorkers, ctx: vf.ModelContext):
+        self.workers, self.ctx = workers, ctx
+
+    async def run(self, task: Any) -> list[Rollout | RolloutFailure]:
+        return await self.workers.run(self.ctx, task)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
