@@ -1,5 +1,6 @@
-"""Fault injection on real processes: an environment whose reward raises, hangs or returns NaN, and an inference
-server that crashes and is restarted while the orchestrator is producing batches."""
+"""Fault injection on real processes: an environment whose reward raises, hangs or returns NaN, env worker processes
+that exit or block, and an inference server that crashes and is restarted while the orchestrator is producing
+batches."""
 
 import os
 import re
@@ -86,14 +87,16 @@ def _wait_for(condition, what: str, orchestrator: subprocess.Popen, timeout_s: f
 REPLICAS = 1
 
 
-def test_bad_rewards_are_counted_and_a_crashed_server_is_restarted_and_taken_back(cache_dir, tmp_path):
-    """This test is the trainer (it publishes policies), so it decides when the run may finish."""
+def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_and_taken_back(cache_dir, tmp_path):
+    """This test is the trainer (it publishes policies), so it decides when the run may finish. Rollouts run in 2 env
+    workers; tasks 30 and 38 of the stream make their worker exit, 37 and 40 block its loop past 3 s."""
     run, port, steps, async_level = tmp_path / "faults", free_port(count=REPLICAS), 8, 2
     run.mkdir()
     args = ["+experiment=reverse_text", "sft.enabled=false", "env=verifiers", "env.id=faulty-reverse-text",
             "orchestrator.batch_size=32", "orchestrator.group_size=4", "orchestrator.rollout_timeout_s=5",
             f"trainer.max_steps={steps}", f"orchestrator.async_level={async_level}", "eval.every=0",
             f"inference.port={port}", f"inference.replicas={REPLICAS}", f"output_dir={run}",
+            "env.workers=2", "+env.args.process_faults=true", "+env.args.block_s=10", "env.worker_timeout_s=3",
             "ledger.enabled=false"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -147,4 +150,9 @@ def test_bad_rewards_are_counted_and_a_crashed_server_is_restarted_and_taken_bac
     assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
     for reason in ("failed on purpose", "non-finite reward nan", "exceeded orchestrator.rollout_timeout_s=5"):
         assert reason in output, reason
+    for why in ("exited with code 3", "no answer to a health check in 3s"):  # each worker fault, logged and survived
+        assert re.search(rf"env worker \d of faulty-reverse-text lost after \d+ rollouts \({why}\)", output), why
+    assert rows[-1]["env/worker_restarts"] >= 2 and rows[-1]["env/workers_up"] == 2
+    workers = [int(pid) for pid in re.findall(r"env worker \d of faulty-reverse-text is up \(pid (\d+)", output)]
+    assert len(workers) >= 6 and not any(Path(f"/proc/{pid}").exists() for pid in workers)  # none outlives the run
     assert all(_vllm_pids(port + replica) == [] for replica in range(REPLICAS))

@@ -4,7 +4,7 @@ For a task whose text hashes to 0, 1 or 2 (mod 8) the reward raises, hangs, or r
 in reverse-text. The orchestrator must count those rollouts as failed and keep training.
 
 With `process_faults=true` (for env worker processes, primerl.envs.workers) a task whose text hashes to 3 or 4 (mod
-64) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
+32) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
 own loop either would take the whole run down, in a worker only that worker's rollouts.
 """
 
@@ -23,8 +23,8 @@ from primerl.envs.traces import final_reply
 
 def fault_of(text: str, process_faults: bool = False) -> str | None:
     crc = zlib.crc32(text.encode())
-    if process_faults and crc % 64 in (3, 4):
-        return {3: "exit", 4: "block"}[crc % 64]
+    if process_faults and crc % 32 in (3, 4):
+        return {3: "exit", 4: "block"}[crc % 32]
     return {0: "raise", 1: "hang", 2: "nan"}.get(crc % 8)
 
 
