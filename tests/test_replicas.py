@@ -21,17 +21,22 @@ class FakeServer:
     """What the orchestrator sees of one vLLM replica: health, the version it serves, weight loads."""
 
     def __init__(self, name: str):
-        self.base_url = f"http://{name}"
+        self.base_url = f"http://{name}"  # where the orchestrator sends
+        self.address = self.base_url  # where the server is (another place after a requeue)
         self.up = True
         self.served = 0
         self.loads: list[int] = []
 
     async def healthy(self) -> bool:
-        return self.up
+        return self.up and self.address == self.base_url
 
-    async def wait_healthy(self, timeout_s: float) -> None:
+    def move_to(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    async def wait_healthy(self, timeout_s: float, before_probe=lambda: None) -> None:
         for _ in range(int(timeout_s / 0.01)):
-            if self.up:
+            before_probe()
+            if await self.healthy():
                 return
             await asyncio.sleep(0.01)
         raise RunError(f"{self.base_url} not healthy after {timeout_s}s")
@@ -40,7 +45,7 @@ class FakeServer:
         return self.served
 
     async def load_weights(self, path, version: int) -> float:
-        if not self.up:
+        if not await self.healthy():
             raise RuntimeError("connection refused")
         await asyncio.sleep(0.01)
         self.served = version
@@ -164,6 +169,48 @@ def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_pol
 
     asyncio.run(main())
     assert changes[:2] == [1, 2]
+
+
+def test_a_requeued_replica_is_followed_to_its_new_address(tmp_path):
+    """SLURM requeued replica 0's job: it comes back on another node/port and advertises that; the watcher follows it
+    there, loads the current policy, and new rollouts reach it through a runner built for the new address."""
+    servers = [FakeServer("node1:8000"), FakeServer("node1:8001")]
+    replicas, policy, built = Replicas(servers), Policy(), []
+
+    def runner_for(url: str) -> ServerRunner:
+        built.append(url)
+        return ServerRunner(next(s for s in servers if s.base_url == url))
+
+    runner = ReplicaRunner([ServerRunner(s) for s in servers], replicas, runner_for)
+    advertised = [s.base_url for s in servers]
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0, addresses=lambda: list(advertised))
+
+    async def until(condition, timeout_s: float = 5.0) -> None:
+        for _ in range(int(timeout_s / 0.01)):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached")
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        publish(tmp_path, 1)
+        await until(lambda: policy.version == 1)
+        servers[0].address, servers[0].served = "http://node2:8123", 0  # requeued: it starts elsewhere, on v0
+        watcher.check_health()
+        await until(lambda: replicas.up == [False, True])
+        await asyncio.sleep(0.3)
+        assert replicas.up == [False, True] and built == []  # nothing advertised yet: it waits at the old address
+        advertised[0] = "http://node2:8123"  # the requeued job writes its address once it knows its port
+        await until(lambda: replicas.up == [True, True])
+        assert servers[0].base_url == "http://node2:8123" and servers[0].served == 1  # followed, current policy
+        assert built == ["http://node2:8123"]
+        results = await asyncio.gather(*(runner.run(i) for i in range(4)))
+        assert all(isinstance(r[0], Rollout) for r in results) and len(runner.runners[0].tasks) == 2
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def test_weights_a_live_replica_keeps_refusing_end_the_run(tmp_path):

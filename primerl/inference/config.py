@@ -1,9 +1,13 @@
 """Inference group: how the vLLM server is started."""
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from primerl.config.bounds import bounded
+from primerl.transport.run_dir import inference_address_path
 
 
 class Quantization(Enum):
@@ -65,3 +69,13 @@ def replica_ports(inf: InferenceConfig) -> list[int]:
 def replica_urls(inf: InferenceConfig) -> list[str]:
     """Base URLs of the inference replicas, in replica order."""
     return [f"http://{inf.host}:{port}" for port in replica_ports(inf)]
+
+
+def advertised_urls(run_dir: str | Path, inf: InferenceConfig) -> list[str] | None:
+    """The replica URLs the inference job advertises in `<run>/inference_address.json` (SLURM: its node and first
+    port, rewritten when a requeued job starts elsewhere); None when there is none or it cannot be read yet."""
+    try:
+        found = json.loads(inference_address_path(run_dir).read_text())
+        return replica_urls(dataclasses.replace(inf, host=str(found["host"]), port=int(found["port"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
-from primerl.transport.run_dir import log_path, sft_run_dir
+from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import free_port, stop_process_groups
 
@@ -43,6 +43,8 @@ class LocalLauncher:
             raise ChildFailed("SFT warm-start failed (its output is above)")
 
     def start(self, overrides: list[str]) -> None:
+        # an address left by an earlier SLURM attempt in this run directory: the orchestrator must not follow it
+        inference_address_path(self.run_dir).unlink(missing_ok=True)
         if self.cfg.inference.port == 0:  # free ports, the same for the servers and the orchestrator
             overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
         cpu = self.cfg.inference.device == "cpu" or (self.cfg.inference.device == "auto" and not _has_cuda())

@@ -15,6 +15,7 @@ middleware (primerl.inference.cache_salt) salts every request with the number of
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -45,16 +46,21 @@ class InferenceClient:
     async def close(self) -> None:
         await self.http.aclose()
 
+    def move_to(self, base_url: str) -> None:
+        """Talk to the server at `base_url` from now on (its job was requeued elsewhere). No connection is kept alive,
+        so nothing of the old address is reused."""
+        self.base_url = self.http.base_url = base_url
+
     async def healthy(self) -> bool:
         try:
             return (await self.http.get("/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
 
-    async def wait_healthy(self, timeout_s: float) -> None:
-        """Until /health answers 200, probing with back-off up to 10 s apart."""
+    async def wait_healthy(self, timeout_s: float, before_probe: Callable[[], None] = lambda: None) -> None:
+        """Until /health answers 200, probing with back-off up to 10 s apart (`before_probe` runs before each)."""
         deadline, delay = time.monotonic() + timeout_s, 0.5
-        while not await self.healthy():
+        while before_probe() or not await self.healthy():
             if time.monotonic() > deadline:
                 raise RunError(f"inference server {self.base_url} not healthy after {timeout_s:.0f}s "
                                "(inference.startup_timeout_s)")  # fmt: skip

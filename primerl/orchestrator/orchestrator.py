@@ -306,14 +306,14 @@ def replica_runner(envs: dict, workers: dict, cfg: RunConfig, model_path: str, r
     from primerl.envs.workers import WorkerRunner
     from primerl.orchestrator.replicas import ReplicaRunner
 
-    per_replica = []
-    for client in replicas.clients:
+    def runner_for(base_url: str) -> RolloutRunner:
         ctx = model_context(model_path, cfg.inference, temperature, max_tokens, cfg.orchestrator.sampling_args,
-                            client.base_url)  # fmt: skip
+                            base_url)  # fmt: skip
         runners = {name: WorkerRunner(workers[name], ctx) if name in workers else EnvRunner(env, ctx)
                    for name, env in envs.items()}  # fmt: skip
-        per_replica.append(MixtureRunner(runners) if mixture else next(iter(runners.values())))
-    return ReplicaRunner(per_replica, replicas)
+        return MixtureRunner(runners) if mixture else next(iter(runners.values()))
+
+    return ReplicaRunner([runner_for(client.base_url) for client in replicas.clients], replicas, runner_for)
 
 
 async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path, stack: contextlib.AsyncExitStack,
@@ -347,7 +347,7 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     """The real thing: a verifiers env through the train client, a vLLM server, the run directory."""
     from transformers import AutoTokenizer
 
-    from primerl.inference.config import replica_urls
+    from primerl.inference.config import advertised_urls, replica_urls
     from primerl.model.start import initial_model_path
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.replicas import Replicas
@@ -374,7 +374,8 @@ async def run_orchestrator(cfg: RunConfig) -> None:
         served = {await client.policy_version() for client in clients}
         policy = Policy(min(served))  # replicas that serve another version get the newest at watcher.update()
         watcher = Watcher(run_dir, replicas, policy, orch.weight_poll_s, inf.startup_timeout_s,
-                          before_load=online_eval.before_load if online_eval else None)  # fmt: skip
+                          before_load=online_eval.before_load if online_eval else None,
+                          addresses=lambda: advertised_urls(run_dir, inf))  # fmt: skip
         idle = IdleSampler(replicas.running_requests)
         orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(tasks, position),
                                     runner, writer, policy, start, serving=lambda: watcher.serving,

@@ -13,7 +13,7 @@ Invariants:
 """
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from primerl.envs.verifiers_env import Rollout, RolloutFailure
@@ -33,6 +33,7 @@ class Replicas:
         self.outstanding = [0] * len(clients)
         self.rerouted = 0  # rollouts run again on another replica after theirs went down, cumulative
         self.down_event = asyncio.Event()  # set by mark_down: the watcher starts that replica's recovery
+        self.on_move: list[Callable[[int, str], None]] = []  # told when a replica moves to another address
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -59,6 +60,14 @@ class Replicas:
     def mark_up(self, index: int) -> None:
         self.up[index] = True
 
+    def move(self, index: int, base_url: str) -> None:
+        """Replica `index` now serves at `base_url` (a requeued SLURM job on another node or port); only while down."""
+        assert not self.up[index], "a replica moves only while it is down"
+        log.warning("inference replica %d moved: %s -> %s", index, self.clients[index].base_url, base_url)
+        self.clients[index].move_to(base_url)
+        for listener in self.on_move:
+            listener(index, base_url)
+
     async def running_requests(self) -> float | None:
         """vLLM's running requests summed over the up replicas (None when none could be read)."""
         values = await asyncio.gather(*(c.running_requests() for c, up in zip(self.clients, self.up) if up))
@@ -67,12 +76,16 @@ class Replicas:
 
 
 class ReplicaRunner:
-    """A `RolloutRunner` over per-replica runners (`runners[i]` sends its requests to replica i)."""
+    """A `RolloutRunner` over per-replica runners (`runners[i]` sends its requests to replica i). With `make_runner`
+    (a replica's base URL -> its runner), a replica that moves gets a new runner for its new address."""
 
-    def __init__(self, runners: Sequence[RolloutRunner], replicas: Replicas):
+    def __init__(self, runners: Sequence[RolloutRunner], replicas: Replicas,
+                 make_runner: Callable[[str], RolloutRunner] | None = None):  # fmt: skip
         if len(runners) != len(replicas):
             raise ValueError(f"{len(runners)} runners for {len(replicas)} replicas")
         self.runners, self.replicas = list(runners), replicas
+        if make_runner is not None:
+            replicas.on_move.append(lambda index, url: self.runners.__setitem__(index, make_runner(url)))
 
     async def run(self, task: Any) -> list[Rollout | RolloutFailure]:
         tried: set[int] = set()

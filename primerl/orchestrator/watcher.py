@@ -11,7 +11,8 @@ gets new rollouts no more. A replica marked down (here, or by the runner) is rec
 with back-off, load the policy the others serve (with none up: the newest published), and mark it up. While no
 replica is up, admission stops (`serving` false). Invariant: every replica marked up serves `Policy.version`. A
 replica still down after `recovery_timeout_s` ends the run only when no other replica is up. Rollouts that failed
-meanwhile are counted failures; no step is skipped.
+meanwhile are counted failures; no step is skipped. A recovering replica whose advertised address changed (a
+requeued SLURM inference job on another node or port: `addresses`) is followed there.
 """
 
 import asyncio
@@ -36,10 +37,12 @@ MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they
 class Watcher:
     def __init__(self, run_dir: Path, replicas: Replicas, policy: Policy, poll_s: float,
                  recovery_timeout_s: float, on_change: Callable[[], None] = lambda: None,
-                 before_load: Callable[[int], Awaitable[None]] | None = None):  # fmt: skip
+                 before_load: Callable[[int], Awaitable[None]] | None = None,
+                 addresses: Callable[[], list[str] | None] = lambda: None):  # fmt: skip
         self.run_dir, self.replicas, self.policy = run_dir, replicas, policy
         self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
         self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
+        self.addresses = addresses  # the replicas' advertised URLs (SLURM; None when nothing is advertised)
         self.load_s = 0.0  # seconds the slowest replica spent loading weights, summed over loads
         self.loads = 0
         self.recoveries = 0  # replicas brought back, cumulative
@@ -138,13 +141,19 @@ class Watcher:
                 del self._recovering[index]
                 task.result()  # a replica that never came back while none was up: the run's error
 
+    def _follow(self, index: int) -> None:
+        """Point down replica `index` at its advertised address when that changed (its job was requeued)."""
+        urls = self.addresses()
+        if urls and index < len(urls) and urls[index] != self.replicas.clients[index].base_url:
+            self.replicas.move(index, urls[index])
+
     async def _recover(self, index: int) -> None:
         """Wait for replica `index`, make it serve the policy the others serve, mark it up."""
         client = self.replicas.clients[index]
         log.warning("inference server %s unreachable; waiting with back-off", client.base_url)
         while True:
             try:
-                await client.wait_healthy(self.recovery_timeout_s)
+                await client.wait_healthy(self.recovery_timeout_s, lambda: self._follow(index))
                 # with other replicas up, their version; with none, the newest published (a restart serves v0)
                 target = self.policy.version if self.replicas.serving else (latest_stable_version(self.run_dir) or 0)
                 served = await client.policy_version()
