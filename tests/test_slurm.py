@@ -1,5 +1,6 @@
 """Runs through a real single-node SLURM cluster on 127.0.0.1 (`launchers/slurm/cluster.sh`: munge, MariaDB + slurmdbd,
-slurmctld, slurmd), started here if it is not up, and stopped again if it was started here."""
+slurmctld, slurmd), started here if it is not up, and stopped again if it was started here. Preemption, a requeued
+server and a trainer on two nodes are in tests/test_slurm_multinode.py."""
 
 import contextlib
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from primerl.metrics import read_metrics
 from tests.conftest import ROOT, run_module, sweep_children
 
 pytestmark = pytest.mark.slow
@@ -87,37 +87,6 @@ def _wait(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(1.0)
-
-
-def test_run_on_slurm_with_two_trainer_ranks_survives_a_preemption_and_a_requeued_server(slurm, cache_dir, tmp_path):
-    run = tmp_path / "run"
-    with _driver(run, "launcher.trainer_tasks_per_node=2", steps=4) as (driver, out):
-        jobs = _job_ids(out)
-        _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
-        # what SLURM does before a job's time limit: USR2; the job requeues itself
-        _slurm("scancel", "--signal=USR2", jobs["trainer"])
-        # and the inference job is requeued by SLURM itself (as for a node failure): it starts again on a new port
-        _slurm("scontrol", "requeue", jobs["inference"])
-        driver.wait(timeout=900)
-    text = out.read_text()
-    assert driver.returncode == 0, text[-4000:]
-    assert "step 4/4" in text
-    assert [r["step"] for r in read_metrics(run, "trainer")] == [0, 1, 2, 3]  # every step once
-    assert [r["step"] for r in read_metrics(run, "orchestrator")] == [0, 1, 2, 3]
-    trainer_log = (run / "logs" / "trainer.log").read_text()
-    assert "on 2 rank(s)" in trainer_log and (run / "logs" / "trainer-rank1.log").exists()
-    resumed = re.findall(r"starting at step (\d+) from \S+checkpoints", trainer_log)
-    assert resumed and int(resumed[0]) >= 2, trainer_log[-2000:]  # requeued, and went on from its checkpoint
-    # the orchestrator followed the requeued server to its new address and loaded the current policy into it
-    orchestrator_log = (run / "logs" / "orchestrator.log").read_text()
-    assert re.search(r"inference replica 0 moved: http://\S+ -> http://\S+", orchestrator_log), orchestrator_log[-3000:]
-    assert re.search(r"inference server \S+ is back, serving v\d+", orchestrator_log)
-    # the trainer and the server requeued once; the driver stops the server at the end
-    _wait_for_states(jobs, {"trainer": ["REQUEUED", "COMPLETED"], "orchestrator": ["COMPLETED"],
-                            "inference": ["REQUEUED", "CANCELLED"]})  # fmt: skip
-    record = json.loads((run / "ledger.json").read_text())
-    mlrun = MlflowClient(record["tracking_uri"]).get_run(record["run_id"])
-    assert mlrun.info.status == "FINISHED" and mlrun.data.tags["launcher"] == "slurm"
 
 
 def test_cancelled_job_stops_the_whole_run(slurm, cache_dir, tmp_path):

@@ -5,7 +5,7 @@ Invariants:
   (the trainer's rank r > 0 to `trainer-rank<r>.log`); submitit's own files are in `<run>/slurm/<job id>/`.
 - The inference job writes its address to `<run>/inference_address.json` (with its job id) once it knows its node and
   port; the orchestrator job waits for the address of *its* inference job and is given it as overrides. A wildcard
-  `inference.host` (0.0.0.0) is advertised as the node's host name; `inference.port=0` takes a free port on the node.
+  `inference.host` (0.0.0.0) is advertised as the node's name (SLURMD_NODENAME, else its host name); `inference.port=0` takes a free port on the node.
   `inference.replicas=N`: the one inference job serves all N on its node, on N consecutive ports from that port.
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
   no torchrun inside a job.
@@ -80,7 +80,9 @@ class ModuleJob(submitit.helpers.Checkpointable):
         address = inference_address_path(self.run_dir)
         if self.name == "inference":
             port = self.inference_port or free_port(count=self.inference_replicas)
-            host = socket.getfqdn() if self.inference_host in WILDCARD_HOSTS else self.inference_host
+            host = self.inference_host
+            if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
+                host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
             with atomic_file(address) as tmp:
                 tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
             return [f"inference.port={port}"]

@@ -1,0 +1,78 @@
+"""A run across a real 3-node SLURM cluster on this machine (`PRIMERL_SLURM_NODES=3 launchers/slurm/cluster.sh`):
+each node's slurmd in its own network namespace with its own address on a bridge, the controller in another; started
+here if it is not up, and stopped again if it was started here."""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from primerl.metrics import read_metrics
+from tests.test_slurm import CLUSTER, _driver, _job_ids, _slurm, _wait, _wait_for_states
+
+pytestmark = pytest.mark.slow
+
+NODES = 3
+CLUSTER_DIR = "/tmp/primerl-slurm-nodes"
+
+
+@pytest.fixture(scope="module")
+def slurm_nodes():
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:  # the cluster needs root and network namespaces
+        pytest.skip(f"no network namespaces here: {probe.stderr.strip()}")
+    env = {**os.environ, "PRIMERL_SLURM_NODES": str(NODES), "PRIMERL_SLURM_DIR": CLUSTER_DIR}
+    started = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=900, env=env)
+    assert started.returncode == 0, started.stderr
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = f"{CLUSTER_DIR}/etc/slurm.conf"
+    yield
+    if before is None:
+        os.environ.pop("SLURM_CONF")
+    else:
+        os.environ["SLURM_CONF"] = before
+    if "already running" not in started.stderr:
+        subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120, env=env)
+
+
+def _node_of(job_id: str) -> str:
+    return _slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()
+
+
+def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_requeued_to_another_node(
+    slurm_nodes, cache_dir, tmp_path
+):
+    """FSDP2 over gloo between two nodes' namespaces; the trainer is preempted (USR2, it requeues itself and resumes
+    from its checkpoint); the inference job is requeued and kept off its node, so it comes back on another one; the
+    orchestrator follows it there. Every step is trained once."""
+    run = tmp_path / "run"
+    overrides = ["launcher.trainer_nodes=2", "inference.host=0.0.0.0", "inference.api_key=test-key"]
+    with _driver(run, *overrides, steps=4) as (driver, out):
+        jobs = _job_ids(out)
+        _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
+        first_node = _node_of(jobs["inference"])
+        _slurm("scancel", "--signal=USR2", jobs["trainer"])
+        _slurm("scontrol", "requeue", jobs["inference"])  # as SLURM does after a node failure
+        _slurm("scontrol", "update", f"JobId={jobs['inference']}", f"ExcNodeList={first_node}")
+        driver.wait(timeout=900)
+    text = out.read_text()
+    assert driver.returncode == 0, text[-4000:]
+    assert [r["step"] for r in read_metrics(run, "trainer")] == [0, 1, 2, 3]  # every step once
+    assert [r["step"] for r in read_metrics(run, "orchestrator")] == [0, 1, 2, 3]
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert "on 2 rank(s)" in trainer_log and (run / "logs" / "trainer-rank1.log").exists()
+    resumed = re.findall(r"starting at step (\d+) from \S+checkpoints", trainer_log)
+    assert resumed and int(resumed[0]) >= 2, trainer_log[-2000:]
+    nodes = _slurm("sacct", "-n", "-X", "-D", "-P", "-j", jobs["trainer"], "-o", "NNodes").split()
+    assert nodes and set(nodes) == {"2"}  # both starts of the trainer spanned two nodes
+    orchestrator_log = (run / "logs" / "orchestrator.log").read_text()
+    moved = re.search(r"inference replica 0 moved: http://(\S+):\d+ -> http://(\S+):\d+", orchestrator_log)
+    assert moved and moved.group(1) == first_node != moved.group(2), orchestrator_log[-3000:]
+    assert re.search(r"inference server \S+ is back, serving v\d+", orchestrator_log)
+    _wait_for_states(jobs, {"trainer": ["REQUEUED", "COMPLETED"], "orchestrator": ["COMPLETED"],
+                            "inference": ["REQUEUED", "CANCELLED"]})  # fmt: skip
+    record = json.loads((run / "ledger.json").read_text())
+    assert MlflowClient(record["tracking_uri"]).get_run(record["run_id"]).info.status == "FINISHED"
