@@ -78,6 +78,14 @@ def replica_set(n: int, seconds: float = 0.05):
     return servers, replicas, runners, ReplicaRunner(runners, replicas)
 
 
+async def until(condition, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
 def test_rollouts_go_to_the_least_loaded_up_replica_and_a_dead_ones_run_again_elsewhere():
     servers, replicas, runners, runner = replica_set(3)
 
@@ -121,13 +129,6 @@ def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_pol
     servers, replicas, runners, runner = replica_set(2)
     policy, changes = Policy(), []
     watcher = Watcher(tmp_path, replicas, policy, 0.01, 0.5, on_change=lambda: changes.append(policy.version))
-
-    async def until(condition, timeout_s: float = 5.0) -> None:
-        for _ in range(int(timeout_s / 0.01)):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("condition not reached")
 
     async def main():
         task = asyncio.create_task(watcher.run())
@@ -184,13 +185,6 @@ def test_a_requeued_replica_is_followed_to_its_new_address(tmp_path):
     runner = ReplicaRunner([ServerRunner(s) for s in servers], replicas, runner_for)
     advertised = [s.base_url for s in servers]
     watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0, addresses=lambda: list(advertised))
-
-    async def until(condition, timeout_s: float = 5.0) -> None:
-        for _ in range(int(timeout_s / 0.01)):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("condition not reached")
 
     async def main():
         task = asyncio.create_task(watcher.run())
