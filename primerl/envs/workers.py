@@ -203,6 +203,8 @@ class EnvWorkers:
                 await asyncio.wait([health, died], return_when=asyncio.FIRST_COMPLETED)
                 if died.done():
                     health.cancel()
+                    # the sentinel fires as the process's pipes close, which can be before it can be reaped
+                    await asyncio.to_thread(worker.process.join, 5)
                     return _exit_reason(worker.process.exitcode)
                 if not health.result():
                     return f"no answer to a health check in {timeout:.0f}s"
