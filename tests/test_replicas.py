@@ -259,6 +259,7 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     the orchestrator's job waits for both, and the replica URLs come from both (a job not yet advertised: None)."""
     import json
 
+    from primerl.config.cli import check
     from primerl.config.errors import ConfigError
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
@@ -278,7 +279,14 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
         job = ModuleJob("inference" if index == 0 else f"inference-{index}", "primerl.inference", [], str(tmp_path),
                         inference_host="0.0.0.0", inference_port=9000 + 100 * index, inference_replicas=2,
                         inference_index=index)  # fmt: skip
-        assert job._address_overrides() == [f"inference.port={9000 + 100 * index}", "inference.replicas=2"]
+        overrides = job._address_overrides()
+        assert overrides == [
+            f"inference.port={9000 + 100 * index}",
+            "inference.replicas=2",
+            "launcher.inference_jobs=1",
+        ]
+        # after the run's own overrides, as the job's process gets them: its share validates as one job
+        check(["+experiment=reverse_text", "inference.replicas=4", "launcher.inference_jobs=2", *overrides])
         if index == 0:  # the second job has not started yet
             assert advertised_urls(tmp_path, cfg.inference, 2) == ["http://node1:9000", "http://node1:9001",
                                                                     None, None]  # fmt: skip

@@ -87,7 +87,12 @@ class ModuleJob(submitit.helpers.Checkpointable):
                 host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
             with atomic_file(inference_address_path(self.run_dir, self.inference_index)) as tmp:
                 tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
-            return [f"inference.port={port}", f"inference.replicas={self.inference_replicas}"]
+            # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
+            return [
+                f"inference.port={port}",
+                f"inference.replicas={self.inference_replicas}",
+                "launcher.inference_jobs=1",
+            ]
         if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
             found = [_wait_for_address(inference_address_path(self.run_dir, index), job_id, self.wait_s)
                      for index, job_id in enumerate(self.inference_job_ids)]  # fmt: skip
