@@ -252,3 +252,51 @@ def test_replica_config_ports_and_errors():
     for port in range(first, first + 4):  # all four are free
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monkeypatch):
+    """launcher.inference_jobs=2 with 4 replicas: each SLURM job serves 2 and advertises its node in its own file;
+    the orchestrator's job waits for both, and the replica URLs come from both (a job not yet advertised: None)."""
+    import json
+
+    from primerl.config.cli import check
+    from primerl.config.errors import ConfigError
+    from primerl.config.schema import RunConfig
+    from primerl.config.validate import validate
+    from primerl.inference.config import advertised_urls
+    from primerl.launch.slurm import ModuleJob
+
+    cfg = RunConfig()
+    cfg.inference.replicas, cfg.launcher.inference_jobs = 3, 2
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == "launcher.inference_jobs"
+    cfg.inference.replicas = 4
+    assert advertised_urls(tmp_path, cfg.inference, 2) is None
+    for index, (node, job_id) in enumerate([("node1", "11"), ("node3", "12")]):
+        monkeypatch.setenv("SLURM_JOB_ID", job_id)
+        monkeypatch.setenv("SLURMD_NODENAME", node)
+        job = ModuleJob("inference" if index == 0 else f"inference-{index}", "primerl.inference", [], str(tmp_path),
+                        inference_host="0.0.0.0", inference_port=9000 + 100 * index, inference_replicas=2,
+                        inference_index=index)  # fmt: skip
+        overrides = job._address_overrides()
+        assert overrides == [
+            f"inference.port={9000 + 100 * index}",
+            "inference.replicas=2",
+            "launcher.inference_jobs=1",
+        ]
+        # after the run's own overrides, as the job's process gets them: its share validates as one job
+        check(["+experiment=reverse_text", "inference.replicas=4", "launcher.inference_jobs=2", *overrides])
+        if index == 0:  # the second job has not started yet
+            assert advertised_urls(tmp_path, cfg.inference, 2) == ["http://node1:9000", "http://node1:9001",
+                                                                    None, None]  # fmt: skip
+    assert advertised_urls(tmp_path, cfg.inference, 2) == ["http://node1:9000", "http://node1:9001",
+                                                            "http://node3:9100", "http://node3:9101"]  # fmt: skip
+    assert json.loads((tmp_path / "inference_address.1.json").read_text())["job_id"] == "12"
+    orchestrator = ModuleJob("orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "12"],
+                             wait_s=5)  # fmt: skip
+    assert orchestrator._address_overrides() == ["inference.host=node1", "inference.port=9000"]
+    stale = ModuleJob("orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "99"],
+                      wait_s=1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="no address from inference job 99"):
+        stale._address_overrides()  # an earlier attempt's address is not this job's

@@ -63,7 +63,7 @@ def _driver(run: Path, *overrides: str, steps: int):
 def _job_ids(out: Path, timeout: float = 120) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ids = dict(re.findall(r"train: (\w+) is SLURM job (\d+)", out.read_text()))
+        ids = dict(re.findall(r"train: ([\w-]+) is SLURM job (\d+)", out.read_text()))
         if {"inference", "orchestrator", "trainer"} <= set(ids):
             return ids
         time.sleep(0.5)

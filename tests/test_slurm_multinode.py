@@ -45,11 +45,13 @@ def _node_of(job_id: str) -> str:
 def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_requeued_to_another_node(
     slurm_nodes, cache_dir, tmp_path
 ):
-    """FSDP2 over gloo between two nodes' namespaces; the trainer is preempted (USR2, it requeues itself and resumes
-    from its checkpoint); the inference job is requeued and kept off its node, so it comes back on another one; the
-    orchestrator follows it there. Every step is trained once."""
+    """FSDP2 over gloo between two nodes' namespaces; two inference jobs, one replica each; the trainer is preempted
+    (USR2, it requeues itself and resumes from its checkpoint); the first inference job is requeued and kept off its
+    node, so it comes back on another one, while the second serves on; the orchestrator follows the first there.
+    Every step is trained once."""
     run = tmp_path / "run"
-    overrides = ["launcher.trainer_nodes=2", "inference.host=0.0.0.0", "inference.api_key=test-key"]
+    overrides = ["launcher.trainer_nodes=2", "inference.host=0.0.0.0", "inference.api_key=test-key",
+                 "inference.replicas=2", "launcher.inference_jobs=2"]  # fmt: skip
     with _driver(run, *overrides, steps=4) as (driver, out):
         jobs = _job_ids(out)
         _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
@@ -71,8 +73,12 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     orchestrator_log = (run / "logs" / "orchestrator.log").read_text()
     moved = re.search(r"inference replica 0 moved: http://(\S+):\d+ -> http://(\S+):\d+", orchestrator_log)
     assert moved and moved.group(1) == first_node != moved.group(2), orchestrator_log[-3000:]
-    assert re.search(r"inference server \S+ is back, serving v\d+", orchestrator_log)
+    # both jobs' replicas served from the start, each advertised in its own file. Whether the moved one is back
+    # before the last step depends on timing (the other serves meanwhile); its reload is tested in test_replicas.py
+    # and test_faults.py.
+    assert read_metrics(run, "orchestrator")[0]["inference/replicas_up"] == 2
+    assert json.loads((run / "inference_address.1.json").read_text())["job_id"] == jobs["inference-1"]
     _wait_for_states(jobs, {"trainer": ["REQUEUED", "COMPLETED"], "orchestrator": ["COMPLETED"],
-                            "inference": ["REQUEUED", "CANCELLED"]})  # fmt: skip
+                            "inference": ["REQUEUED", "CANCELLED"], "inference-1": ["CANCELLED"]})  # fmt: skip
     record = json.loads((run / "ledger.json").read_text())
     assert MlflowClient(record["tracking_uri"]).get_run(record["run_id"]).info.status == "FINISHED"

@@ -45,6 +45,9 @@ def validate(cfg: RunConfig) -> None:
     if inf.replicas > 1 and inf.pd.enabled:
         raise ConfigError("inference.replicas", f"{inf.replicas} with inference.pd.enabled: replicas of a "
                           "prefill/decode pair are not supported; use one or the other")  # fmt: skip
+    if inf.replicas % cfg.launcher.inference_jobs:
+        raise ConfigError("launcher.inference_jobs", f"{cfg.launcher.inference_jobs} jobs cannot share "
+                          f"inference.replicas={inf.replicas} evenly")  # fmt: skip
     if inf.port and inf.port + inf.replicas - 1 > 65535:
         raise ConfigError("inference.replicas", f"{inf.replicas} replicas from port {inf.port} run past port 65535")
     if trainer.seq_len < inf.max_model_len:

@@ -8,6 +8,7 @@ others keep serving meanwhile, and the orchestrator takes the restarted one back
 (primerl.orchestrator.watcher). One more exit ends this process with code 1.
 """
 
+import os
 import signal
 import sys
 import time
@@ -41,10 +42,11 @@ def main(dict_cfg: DictConfig) -> None:
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
         raise ConfigError("sft.enabled", f"the SFT checkpoint {model_path} does not exist yet; run "
                           "`python -m primerl.sft` with the same config first, or set sft.enabled=false")  # fmt: skip
-    servers = [
-        VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), vllm_scratch_prefix(cfg.output_dir))
-        for spec in render_specs(cfg, model_path, device)
-    ]
+    node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
+    servers = []
+    for spec in render_specs(cfg, model_path, device):
+        name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
+        servers.append(VllmServer(spec, log_path(cfg.output_dir, name), vllm_scratch_prefix(cfg.output_dir)))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for server in servers:

@@ -20,7 +20,9 @@ class LauncherConfig:
     qos: str | None = None
     time_limit_min: int = bounded(60, ge=1)
     trainer_gpus: int = bounded(0, ge=0)  # per node
-    inference_gpus: int = bounded(0, ge=0)
+    inference_gpus: int = bounded(0, ge=0)  # per inference job
+    # the inference.replicas are served by this many jobs, on any nodes, inference.replicas / inference_jobs each
+    inference_jobs: int = bounded(1, ge=1)
     cpus_per_task: int = bounded(2, ge=1)
     signal_delay_s: int = bounded(90, ge=0)  # SLURM signals a job this long before its time limit: it requeues itself
     max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count

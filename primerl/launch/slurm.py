@@ -6,7 +6,9 @@ Invariants:
 - The inference job writes its address to `<run>/inference_address.json` (with its job id) once it knows its node and
   port; the orchestrator job waits for the address of *its* inference job and is given it as overrides. A wildcard
   `inference.host` (0.0.0.0) is advertised as the node's name (SLURMD_NODENAME, else its host name); `inference.port=0` takes a free port on the node.
-  `inference.replicas=N`: the one inference job serves all N on its node, on N consecutive ports from that port.
+  `inference.replicas=N`: `launcher.inference_jobs=J` jobs (on any nodes) serve N/J each, on consecutive ports from
+  the port each advertises; job j > 0 advertises in its own file (`inference_address_path(run, j)`), and the
+  orchestrator waits for all of them.
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
   no torchrun inside a job.
 - A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
@@ -46,14 +48,15 @@ _running: subprocess.Popen | None = None  # the process of this job, for `checkp
 class ModuleJob(submitit.helpers.Checkpointable):
     """One process of the run as the body of a SLURM job (every task of the job runs it)."""
 
-    name: str  # inference | orchestrator | trainer | sft
+    name: str  # inference (inference-<j> for j > 0) | orchestrator | trainer | sft
     module: str
     overrides: list[str]
     run_dir: str
     inference_host: str = "127.0.0.1"
     inference_port: int = 0
     inference_replicas: int = 1  # served by this one job, on consecutive ports from its address's port
-    inference_job_id: str | None = None  # orchestrator: whose address to wait for
+    inference_index: int = 0  # inference: which of launcher.inference_jobs this job is
+    inference_job_ids: list[str] = field(default_factory=list)  # orchestrator: whose addresses to wait for
     wait_s: float = 600.0
 
     def __call__(self) -> None:
@@ -77,18 +80,23 @@ class ModuleJob(submitit.helpers.Checkpointable):
             raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
 
     def _address_overrides(self) -> list[str]:
-        address = inference_address_path(self.run_dir)
-        if self.name == "inference":
+        if self.module == "primerl.inference":
             port = self.inference_port or free_port(count=self.inference_replicas)
             host = self.inference_host
             if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
                 host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
-            with atomic_file(address) as tmp:
+            with atomic_file(inference_address_path(self.run_dir, self.inference_index)) as tmp:
                 tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
-            return [f"inference.port={port}"]
-        if self.name == "orchestrator":
-            found = _wait_for_address(address, self.inference_job_id, self.wait_s)
-            return [f"inference.host={found['host']}", f"inference.port={found['port']}"]
+            # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
+            return [
+                f"inference.port={port}",
+                f"inference.replicas={self.inference_replicas}",
+                "launcher.inference_jobs=1",
+            ]
+        if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
+            found = [_wait_for_address(inference_address_path(self.run_dir, index), job_id, self.wait_s)
+                     for index, job_id in enumerate(self.inference_job_ids)]  # fmt: skip
+            return [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
         return []
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
@@ -155,13 +163,21 @@ class SlurmLauncher:
                 return
             time.sleep(self.poll_s)
 
+    @property
+    def inference_names(self) -> list[str]:
+        """The inference jobs: `inference`, then `inference-1` ... (launcher.inference_jobs)."""
+        return ["inference" if j == 0 else f"inference-{j}" for j in range(self.cfg.launcher.inference_jobs)]
+
     def start(self, overrides: list[str]) -> None:
-        inference_address_path(self.run_dir).unlink(missing_ok=True)  # an earlier attempt's server is gone
-        inf = self.cfg.inference
-        inference = self._submit("inference", "primerl.inference", overrides, gpus=self.cfg.launcher.inference_gpus,
-                                 inference_host=inf.host, inference_port=inf.port,
-                                 inference_replicas=inf.replicas)  # fmt: skip
-        self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_id=inference.job_id,
+        inf, jobs = self.cfg.inference, self.cfg.launcher.inference_jobs
+        ids = []
+        for index, name in enumerate(self.inference_names):
+            inference_address_path(self.run_dir, index).unlink(missing_ok=True)  # an earlier attempt's server is gone
+            job = self._submit(name, "primerl.inference", overrides, gpus=self.cfg.launcher.inference_gpus,
+                               inference_host=inf.host, inference_port=inf.port,
+                               inference_replicas=inf.replicas // jobs, inference_index=index)  # fmt: skip
+            ids.append(job.job_id)
+        self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_ids=ids,
                      wait_s=inf.startup_timeout_s + 3600)  # fmt: skip # the inference job may queue first
         self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())
 
@@ -184,8 +200,9 @@ class SlurmLauncher:
     def finished(self) -> bool:
         self._refresh()
         done = [self._ended_well(name) for name in ("trainer", "orchestrator")]
-        if not all(done) and self._ended_well("inference"):
-            raise ChildFailed(f"inference (SLURM job {self.jobs['inference'].job_id}) ended before the run did")
+        for name in self.inference_names:
+            if not all(done) and self._ended_well(name):
+                raise ChildFailed(f"{name} (SLURM job {self.jobs[name].job_id}) ended before the run did")
         return all(done)
 
     def stop_all(self) -> None:

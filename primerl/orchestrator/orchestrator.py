@@ -27,6 +27,7 @@ reasons.
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import statistics
 import time
@@ -320,8 +321,6 @@ async def online_evals(cfg: RunConfig, model_path: str, run_dir: Path, stack: co
                        replicas: "Replicas", pools: "list[EnvWorkers]") -> "OnlineEval | None":  # fmt: skip
     """The online evals of `eval.every`, their envs served inside `stack`; None when off or there is nothing to
     evaluate (no `eval.envs` and no held-out split, `env.eval_args`, of the training env)."""
-    import itertools
-
     from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
 
     e, orch = cfg.eval, cfg.orchestrator
@@ -365,7 +364,11 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     if start:
         log.info("resuming at step %d, task %d", start, position)
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key)) for url in replica_urls(inf)]
+        jobs = cfg.launcher.inference_jobs if cfg.launcher.name == "slurm" else 1
+        # SLURM: where the inference jobs said they serve (on several nodes with launcher.inference_jobs > 1)
+        advertised = advertised_urls(run_dir, inf, jobs) or []
+        urls = [url or default for url, default in itertools.zip_longest(advertised, replica_urls(inf))]
+        clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key)) for url in urls]
         replicas = Replicas(clients)
         pools: list[EnvWorkers] = []  # env worker pools (env.workers), each with a supervisor task
         runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas, pools)
@@ -375,7 +378,7 @@ async def run_orchestrator(cfg: RunConfig) -> None:
         policy = Policy(min(served))  # replicas that serve another version get the newest at watcher.update()
         watcher = Watcher(run_dir, replicas, policy, orch.weight_poll_s, inf.startup_timeout_s,
                           before_load=online_eval.before_load if online_eval else None,
-                          addresses=lambda: advertised_urls(run_dir, inf))  # fmt: skip
+                          addresses=lambda: advertised_urls(run_dir, inf, jobs))  # fmt: skip
         idle = IdleSampler(replicas.running_requests)
         orchestrator = Orchestrator(orch, cfg.trainer.max_steps, TaskSource(tasks, position),
                                     runner, writer, policy, start, serving=lambda: watcher.serving,

@@ -38,7 +38,7 @@ class Watcher:
     def __init__(self, run_dir: Path, replicas: Replicas, policy: Policy, poll_s: float,
                  recovery_timeout_s: float, on_change: Callable[[], None] = lambda: None,
                  before_load: Callable[[int], Awaitable[None]] | None = None,
-                 addresses: Callable[[], list[str] | None] = lambda: None):  # fmt: skip
+                 addresses: Callable[[], list[str | None] | None] = lambda: None):  # fmt: skip
         self.run_dir, self.replicas, self.policy = run_dir, replicas, policy
         self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
         self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
@@ -144,7 +144,7 @@ class Watcher:
     def _follow(self, index: int) -> None:
         """Point down replica `index` at its advertised address when that changed (its job was requeued)."""
         urls = self.addresses()
-        if urls and index < len(urls) and urls[index] != self.replicas.clients[index].base_url:
+        if urls and index < len(urls) and urls[index] and urls[index] != self.replicas.clients[index].base_url:
             self.replicas.move(index, urls[index])
 
     async def _recover(self, index: int) -> None:

@@ -9,7 +9,7 @@
   weights/step_<v>/              policy v for the inference server, complete iff STABLE (transport.weights)
   checkpoints/step_<n>/          trainer state after n steps (primerl.trainer.checkpoint)
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
-  inference_address.json         SLURM: where the inference job serves
+  inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
   ledger.json                    the MLflow run that records this directory
 """
 
@@ -68,8 +68,9 @@ def sft_metrics_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / "sft_metrics.json"
 
 
-def inference_address_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "inference_address.json"
+def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
+    """SLURM: where inference job `job` (of launcher.inference_jobs) advertises its node and first port."""
+    return Path(run_dir) / ("inference_address.json" if job == 0 else f"inference_address.{job}.json")
 
 
 def ledger_record_path(run_dir: str | Path) -> Path:
