@@ -89,14 +89,17 @@ REPLICAS = 1
 
 def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_and_taken_back(cache_dir, tmp_path):
     """This test is the trainer (it publishes policies), so it decides when the run may finish. Rollouts run in 2 env
-    workers; tasks 30 and 38 of the stream make their worker exit, 37 and 40 block its loop past 3 s."""
+    workers; the first rollout of task 30 of the stream makes its worker exit, the first of task 37 blocks its loop
+    past 3 s (once each: each worker lost takes what it holds, and together with the vLLM kill more would fail
+    rollouts in a row past the orchestrator's limit, as they did in CI)."""
     run, port, steps, async_level = tmp_path / "faults", free_port(count=REPLICAS), 8, 2
     run.mkdir()
     args = ["+experiment=reverse_text", "sft.enabled=false", "env=verifiers", "env.id=faulty-reverse-text",
-            "orchestrator.batch_size=32", "orchestrator.group_size=4", "orchestrator.rollout_timeout_s=5",
+            "orchestrator.batch_size=32", "orchestrator.group_size=4", "orchestrator.rollout_timeout_s=10",
             f"trainer.max_steps={steps}", f"orchestrator.async_level={async_level}", "eval.every=0",
             f"inference.port={port}", f"inference.replicas={REPLICAS}", f"output_dir={run}",
             "env.workers=2", "+env.args.process_faults=true", "+env.args.block_s=10", "env.worker_timeout_s=3",
+            f"+env.args.fault_dir={run}",
             "ledger.enabled=false"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -148,11 +151,12 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
         assert min(r["inference/replicas_up"] for r in rows) == REPLICAS - 1
     assert rows[-1]["inference/replicas_up"] == REPLICAS
     assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
-    for reason in ("failed on purpose", "non-finite reward nan", "exceeded orchestrator.rollout_timeout_s=5"):
+    for reason in ("failed on purpose", "non-finite reward nan", "exceeded orchestrator.rollout_timeout_s=10"):
         assert reason in output, reason
     for why in ("exited with code 3", "no answer to a health check in 3s"):  # each worker fault, logged and survived
         assert re.search(rf"env worker \d of faulty-reverse-text lost after \d+ rollouts \({why}\)", output), why
     assert rows[-1]["env/worker_restarts"] >= 2 and rows[-1]["env/workers_up"] == 2
     workers = [int(pid) for pid in re.findall(r"env worker \d of faulty-reverse-text is up \(pid (\d+)", output)]
-    assert len(workers) >= 6 and not any(Path(f"/proc/{pid}").exists() for pid in workers)  # none outlives the run
+    assert (run / "exit").exists() and (run / "block").exists()  # each process fault fired
+    assert len(workers) >= 4 and not any(Path(f"/proc/{pid}").exists() for pid in workers)  # none outlives the run
     assert all(_vllm_pids(port + replica) == [] for replica in range(REPLICAS))

@@ -5,7 +5,8 @@ in reverse-text. The orchestrator must count those rollouts as failed and keep t
 
 With `process_faults=true` (for env worker processes, primerl.envs.workers) a task whose text hashes to 3 or 4 (mod
 32) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
-own loop either would take the whole run down, in a worker only that worker's rollouts.
+own loop either would take the whole run down, in a worker only that worker's rollouts. With `fault_dir` each of
+those two fires once per run (a marker file there says it has), so a run sees exactly one of each.
 """
 
 import asyncio
@@ -31,6 +32,18 @@ def fault_of(text: str, process_faults: bool = False) -> str | None:
 class FaultyData(ReverseTextData):
     process_faults: bool = False
     block_s: float = 60.0
+    fault_dir: str | None = None
+
+
+def fires(fault: str, fault_dir: str | None) -> bool:
+    """Whether a process fault fires now: always without `fault_dir`, else only the first time (its marker file)."""
+    if fault_dir is None:
+        return True
+    try:
+        os.close(os.open(os.path.join(fault_dir, fault), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
 
 
 class FaultyTask(vf.Task[FaultyData]):
@@ -43,9 +56,9 @@ class FaultyTask(vf.Task[FaultyData]):
             await asyncio.sleep(3600)
         if fault == "nan":
             return float("nan")
-        if fault == "exit":
+        if fault == "exit" and fires(fault, task.fault_dir):
             os._exit(3)
-        if fault == "block":
+        if fault == "block" and fires(fault, task.fault_dir):
             time.sleep(task.block_s)
         return lcs_ratio(final_reply(trace), task.text)
 
@@ -53,6 +66,7 @@ class FaultyTask(vf.Task[FaultyData]):
 class FaultyConfig(ReverseTextConfig):
     process_faults: bool = False
     block_s: float = 60.0
+    fault_dir: str | None = None
 
 
 class FaultyReverseTextTaskset(vf.Taskset[FaultyTask, FaultyConfig]):
@@ -65,7 +79,7 @@ class FaultyReverseTextTaskset(vf.Taskset[FaultyTask, FaultyConfig]):
     def load(self):
         for task in ReverseTextTaskset(self.config).load():
             data = FaultyData(**task.data.model_dump(), process_faults=self.config.process_faults,
-                              block_s=self.config.block_s)  # fmt: skip
+                              block_s=self.config.block_s, fault_dir=self.config.fault_dir)  # fmt: skip
             yield FaultyTask(data, self.config.task)
 
 
