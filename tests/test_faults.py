@@ -82,8 +82,9 @@ def _wait_for(condition, what: str, orchestrator: subprocess.Popen, timeout_s: f
         time.sleep(0.2)
 
 
-# One replica in CI. With 2 replicas on this 2-core machine the test passed once, then failed twice in the clean-clone
-# CI: every rollout timed out at 5 s with both vLLM servers idle, and the cause is not found yet.
+# One replica in CI. With 2 replicas on this 2-core machine and a 5 s rollout timeout the test passed once, then
+# failed twice in the clean-clone CI (every rollout timed out until the failure streak stopped the run). With the
+# timeout at 10 s it passed twice in a row here (2026-12-04); not yet in CI.
 REPLICAS = 1
 
 
