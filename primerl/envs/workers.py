@@ -21,6 +21,7 @@ Invariants:
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -59,7 +60,6 @@ def serve_worker(config_data: dict, address: str, death_pipe: Any) -> None:
 @dataclass
 class Worker:
     index: int
-    incarnation: int
     process: Any  # multiprocessing.Process
     pipe: Any  # our end of its death pipe
     client: EnvClient
@@ -163,7 +163,7 @@ class EnvWorkers:
     async def _keep(self, index: int) -> None:
         """Keep worker `index` running: start it, watch it, and start it again whenever it is lost."""
         failed_starts = 0
-        for incarnation in range(1_000_000):
+        for incarnation in itertools.count():
             worker = self.workers[index] = self._start(index, incarnation)
             reason = await self._watch(worker)
             was_live = worker.live
@@ -189,7 +189,7 @@ class EnvWorkers:
                                    name=f"env-worker-{index}", daemon=False)  # fmt: skip
         process.start()
         theirs.close()  # the worker holds the other end; our close (or death) is its EOF
-        return Worker(index, incarnation, process, ours, EnvClient(address), asyncio.get_running_loop().create_future())
+        return Worker(index, process, ours, EnvClient(address), asyncio.get_running_loop().create_future())
 
     async def _watch(self, worker: Worker) -> str:
         """Until `worker` is lost; returns why. Marks it live at its first health answer."""

@@ -5,7 +5,8 @@ Invariants:
   (the trainer's rank r > 0 to `trainer-rank<r>.log`); submitit's own files are in `<run>/slurm/<job id>/`.
 - The inference job writes its address to `<run>/inference_address.json` (with its job id) once it knows its node and
   port; the orchestrator job waits for the address of *its* inference job and is given it as overrides. A wildcard
-  `inference.host` (0.0.0.0) is advertised as the node's name (SLURMD_NODENAME, else its host name); `inference.port=0` takes a free port on the node.
+  `inference.host` (0.0.0.0) is advertised as the node's name (SLURMD_NODENAME, else its host name);
+  `inference.port=0` takes a free port on the node.
   `inference.replicas=N`: `launcher.inference_jobs=J` jobs (on any nodes) serve N/J each, on consecutive ports from
   the port each advertises; job j > 0 advertises in its own file (`inference_address_path(run, j)`), and the
   orchestrator waits for all of them.
@@ -199,11 +200,11 @@ class SlurmLauncher:
 
     def finished(self) -> bool:
         self._refresh()
-        done = [self._ended_well(name) for name in ("trainer", "orchestrator")]
+        done = all([self._ended_well(name) for name in ("trainer", "orchestrator")])  # a list: check both
         for name in self.inference_names:
-            if not all(done) and self._ended_well(name):
+            if not done and self._ended_well(name):
                 raise ChildFailed(f"{name} (SLURM job {self.jobs[name].job_id}) ended before the run did")
-        return all(done)
+        return done
 
     def stop_all(self) -> None:
         for name, job in self.jobs.items():
