@@ -66,6 +66,7 @@ def test_every_group_option_composes(group, option):
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),
         (["launcher=slurm", "inference=vllm_pd"], "inference.pd.enabled", "not placed by launcher=slurm"),
+        (["launcher=slurm", "+launcher.sbatch.infer.exclude=node1"], "launcher.sbatch.infer", "is not a job role"),
     ],
 )
 def test_bad_config_names_the_key(overrides, key, fragment):

@@ -45,17 +45,19 @@ def _node_of(job_id: str) -> str:
 def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_requeued_to_another_node(
     slurm_nodes, cache_dir, tmp_path
 ):
-    """FSDP2 over gloo between two nodes' namespaces; two inference jobs, one replica each; the trainer is preempted
-    (USR2, it requeues itself and resumes from its checkpoint); the first inference job is requeued and kept off its
-    node, so it comes back on another one, while the second serves on; the orchestrator follows the first there.
-    Every step is trained once."""
+    """FSDP2 over gloo between two nodes' namespaces (node1, node2); two inference jobs, one replica each, on the
+    third node (placed there by `launcher.sbatch`); the trainer is preempted (USR2, it requeues itself and resumes
+    from its checkpoint); the first inference job is requeued and kept off its node, so it comes back on another one,
+    while the second serves on; the orchestrator follows the first there. Every step is trained once."""
     run = tmp_path / "run"
     overrides = ["launcher.trainer_nodes=2", "inference.host=0.0.0.0", "inference.api_key=test-key",
-                 "inference.replicas=2", "launcher.inference_jobs=2"]  # fmt: skip
+                 "inference.replicas=2", "launcher.inference_jobs=2", "+launcher.sbatch.trainer.exclude=node3",
+                 '+launcher.sbatch.inference.exclude="node[1-2]"']  # fmt: skip
     with _driver(run, *overrides, steps=4) as (driver, out):
         jobs = _job_ids(out)
         _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
         first_node = _node_of(jobs["inference"])
+        placed = {name: _node_of(jobs[name]) for name in ("trainer", "inference", "inference-1")}
         _slurm("scancel", "--signal=USR2", jobs["trainer"])
         _slurm("scontrol", "requeue", jobs["inference"])  # as SLURM does after a node failure
         _slurm("scontrol", "update", f"JobId={jobs['inference']}", f"ExcNodeList={first_node}")
@@ -70,6 +72,7 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     assert resumed and int(resumed[0]) >= 2, trainer_log[-2000:]
     nodes = _slurm("sacct", "-n", "-X", "-D", "-P", "-j", jobs["trainer"], "-o", "NNodes").split()
     assert nodes and set(nodes) == {"2"}  # both starts of the trainer spanned two nodes
+    assert placed == {"trainer": "node[1-2]", "inference": "node3", "inference-1": "node3"}, placed
     orchestrator_log = (run / "logs" / "orchestrator.log").read_text()
     moved = re.search(r"inference replica 0 moved: http://(\S+):\d+ -> http://(\S+):\d+", orchestrator_log)
     assert moved and moved.group(1) == first_node != moved.group(2), orchestrator_log[-3000:]

@@ -100,6 +100,9 @@ def validate(cfg: RunConfig) -> None:
     _validate_launcher(cfg)
 
 
+SBATCH_ROLES = ("trainer", "inference", "orchestrator", "sft")  # the job names of primerl/launch/slurm.py, less "-<j>"
+
+
 def _validate_launcher(cfg: RunConfig) -> None:
     lc = cfg.launcher
     if lc.name not in ("local", "slurm"):
@@ -114,6 +117,9 @@ def _validate_launcher(cfg: RunConfig) -> None:
                               f"launcher.time_limit_min={lc.time_limit_min}")  # fmt: skip
         if cfg.inference.pd.enabled:
             raise ConfigError("inference.pd.enabled", "prefill/decode servers are not placed by launcher=slurm yet")
+        for role in lc.sbatch:
+            if role not in SBATCH_ROLES:
+                raise ConfigError(f"launcher.sbatch.{role}", f"'{role}' is not a job role; one of {list(SBATCH_ROLES)}")
 
 
 def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:

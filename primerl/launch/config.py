@@ -1,6 +1,7 @@
 """Launcher group: where the processes of a run go."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from primerl.config.bounds import bounded
 
@@ -26,5 +27,9 @@ class LauncherConfig:
     cpus_per_task: int = bounded(2, ge=1)
     signal_delay_s: int = bounded(90, ge=0)  # SLURM signals a job this long before its time limit: it requeues itself
     max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
+    # more sbatch options per job role (trainer, inference, orchestrator, sft), as `--key=value` (`true`: a bare flag):
+    # placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`, `...trainer.exclusive=true`,
+    # `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run gets the same options.
+    sbatch: dict[str, dict[str, Any]] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)  # shell lines run first in every job (module load, ...)
     poll_s: float = bounded(5.0, gt=0)  # how often the driver asks SLURM for job states

@@ -146,6 +146,7 @@ class SlurmLauncher:
             job_name=f"{self.cfg.name}-{name}", partition=lc.partition, account=lc.account, qos=lc.qos,
             time=lc.time_limit_min, nodes=nodes, ntasks_per_node=tasks, cpus_per_task=lc.cpus_per_task,
             gpus_per_node=gpus or None, signal_delay_s=lc.signal_delay_s, setup=list(lc.setup),
+            additional_parameters=dict(lc.sbatch.get(name.split("-")[0], {})),
         )  # fmt: skip
         job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
         self.jobs[name] = job
