@@ -3,7 +3,7 @@
     benchmarks/.venv-trl/bin/python benchmarks/trl_grpo.py MODEL_DIR OUT_DIR --steps N --batch B --group G --lr LR
 
 TRL's GRPOTrainer on the same tiny model (primerl's SFT checkpoint), the same reverse-text tasks ("rl" stream of
-the same seed), reward (LCS ratio), group size, samples per step, temperature 1 and 32 new tokens; beta=0 (no
+the same seed), reward (LCS ratio), group size, samples per step, temperature 1 and new tokens (`--max-tokens`); beta=0 (no
 reference model, as in primerl). Generation is TRL's HF `generate` (no vLLM server on this path). Writes the final
 model to OUT_DIR and prints one JSON line with the wall time.
 """
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--group", type=int, required=True)
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--optim", default="adamw_torch", help="transformers optimizer name, e.g. sgd")
     args = p.parse_args()
     texts = make_texts(stream_seed(args.seed, "rl", 0), args.steps * args.batch // args.group)
@@ -43,7 +44,7 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch,
         num_generations=args.group, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        beta=0.0, temperature=1.0, max_completion_length=32, logging_steps=1, report_to="none", save_strategy="no",
+        beta=0.0, temperature=1.0, max_completion_length=args.max_tokens, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=True, seed=args.seed, optim=args.optim, adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
     )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(args.model)

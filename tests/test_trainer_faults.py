@@ -88,3 +88,16 @@ def test_a_failed_write_leaves_nothing_stable(cache_dir, tmp_path):
     assert "nothing of it is marked STABLE" in result.stderr
     for root in (checkpoints_root(tmp_path), weights_root(tmp_path)):  # no STABLE directory, no leftover staging
         assert not root.exists() or list(root.iterdir()) == [], list(root.iterdir())
+
+
+def test_a_failed_background_checkpoint_write_stops_the_run_at_the_next_save(cache_dir, tmp_path):
+    """trainer.checkpoint_async: the checkpoint (~10 MB) fails past a 5 MB limit in the writer thread while the
+    weights (~3 MB) publish. The failure surfaces as one line when the next save waits for it; the step it was
+    written for has its metrics row and published weights, and nothing of the checkpoint is STABLE."""
+    _write_batches(cache_dir, tmp_path, [None, None, None])
+    result = _trainer(_args(cache_dir, tmp_path, 3), file_size_limit=5 * 1024 * 1024)
+    _one_line_error(result, "could not write the checkpoint of step 1")
+    assert "it is not marked STABLE" in result.stderr
+    assert latest_checkpoint(tmp_path) is None and not list(checkpoints_root(tmp_path).glob(".*partial"))
+    assert [r["step"] for r in read_metrics(tmp_path, "trainer")][:1] == [0]
+    assert weights_path(tmp_path, 1).exists()

@@ -8,11 +8,18 @@ renames the directory into place. Invariants:
 - a STABLE directory whose files do not match their recorded sizes and digests is refused (`CorruptCheckpoint`);
 - loading reshards, so a run may resume on another number of ranks.
 Optimizer hyperparameters come from the config on resume; only the per-parameter state (step, moments) is saved.
+
+`AsyncCheckpointer` writes the same checkpoint off the training thread (`trainer.checkpoint_async`): the state is
+copied in memory (the only part on the critical path), and a writer thread saves, digests and marks it STABLE while
+the next step trains. At most one is in flight; the next save, and the end of training, wait for it first. A kill
+while one is in flight leaves it unmarked, so the run resumes from the one before and replays the steps since from
+their stored batches: no trained step is lost, and at most `checkpoint_every` steps are trained again.
 """
 
 import hashlib
 import json
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,9 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from primerl.transport.atomic import STABLE_MARKER, latest_stable
 from primerl.transport.run_dir import checkpoint_path, checkpoints_root
-from primerl.utils.errors import RunError
+from primerl.utils.errors import RunError, writing
+from primerl.utils.log import get_logger
 
 STATE_FILE = "trainer_state.json"
+log = get_logger("trainer")
 
 
 class CorruptCheckpoint(RunError):
@@ -66,16 +75,23 @@ def _file_digest(path: Path) -> str:
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path, step: int,
                     metrics: dict, keep: int, is_main: bool) -> Path:  # fmt: skip
     """Collective: every rank calls it. Keeps the newest `keep` checkpoints."""
+    flat, _, _ = _flat_state(model, optimizer)
+    return _write(flat, run_dir, step, metrics, keep, is_main, group=None)
+
+
+def _write(flat: dict, run_dir: str | Path, step: int, metrics: dict, keep: int, is_main: bool,
+           group: dist.ProcessGroup | None) -> Path:  # fmt: skip
+    """Collective over `group`: stage, save, digest, mark STABLE, rename into place, drop old ones."""
     target = checkpoint_path(run_dir, step)
     staging = target.with_name(f".{target.name}.partial")
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-    dist.barrier()
-    flat, _, _ = _flat_state(model, optimizer)
+    dist.barrier(group=group)
     try:
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
-        dist.barrier()
+        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True),
+                 process_group=group)  # fmt: skip
+        dist.barrier(group=group)
         if is_main:
             files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
             state = {"step": step, "world_size": dist.get_world_size(), "metrics": metrics, "files": files}
@@ -90,8 +106,47 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ru
         if is_main:  # a failed write (full disk) leaves no staging directory behind
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    dist.barrier()
+    dist.barrier(group=group)
     return target
+
+
+class AsyncCheckpointer:
+    """Checkpoints written by one writer thread, over a gloo group of their own (the training thread's collectives
+    run meanwhile on the default group). Every rank makes one, at the same point, and calls `save` for the same
+    steps."""
+
+    def __init__(self, run_dir: str | Path, keep: int, is_main: bool):
+        self.run_dir, self.keep, self.is_main = run_dir, keep, is_main
+        self.group = dist.new_group(backend="gloo")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.in_flight: tuple[int, Future] | None = None
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, metrics: dict) -> None:
+        """Collective. Returns once the state is copied; raises what the previous save raised."""
+        self.wait()
+        flat, _, _ = _flat_state(model, optimizer)
+        copy = {key: value.detach().clone() for key, value in flat.items()}  # DTensors stay DTensors: DCP reshards
+        future = self.writer.submit(_write, copy, self.run_dir, step, dict(metrics), self.keep, self.is_main,
+                                    self.group)  # fmt: skip # the caller adds timings to its metrics
+        self.in_flight = (step, future)
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is STABLE, or raise a RunError that says why it is not."""
+        if self.in_flight is not None:
+            (step, future), self.in_flight = self.in_flight, None
+            with writing(f"checkpoint of step {step}", "it is not marked STABLE"):
+                future.result()
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the checkpoint in flight; `quiet` (the trainer is already failing) logs its failure instead."""
+        try:
+            self.wait()
+        except RunError as err:
+            if not quiet:
+                raise
+            log.warning(str(err))
+        finally:
+            self.writer.shutdown()
 
 
 def verify_checkpoint(path: Path) -> dict:

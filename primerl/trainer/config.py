@@ -40,6 +40,9 @@ class TrainerConfig:
     max_steps: int = bounded(20, ge=1)
     checkpoint_every: int = bounded(1, ge=1)  # steps between model+optimizer checkpoints (resume point after a crash)
     keep_checkpoints: int = bounded(2, ge=1)
+    # write each checkpoint while the next step trains (primerl/trainer/checkpoint.py, AsyncCheckpointer); a kill
+    # during the write replays the steps since the checkpoint before it from their stored batches
+    checkpoint_async: bool = True
     # steps in a row whose loss or grad norm is not finite (each is skipped) that stop the run
     max_nonfinite_steps: int = bounded(3, ge=1)
     optim: OptimConfig = field(default_factory=OptimConfig)

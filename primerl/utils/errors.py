@@ -16,7 +16,7 @@ def writing(what: str, consequence: str):
     primerl writes appears atomically (primerl.transport.atomic), so a rerun resumes from the last complete one."""
     try:
         yield
-    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError, RunError):  # a RunError already says what and why
         raise
     except BaseException as err:  # safetensors, the OS and torch's DCP (a BaseException) each raise their own type
         cause = err
