@@ -125,7 +125,8 @@ class AsyncCheckpointer:
         """Collective. Returns once the state is copied; raises what the previous save raised."""
         self.wait()
         flat, _, _ = _flat_state(model, optimizer)
-        copy = {key: value.detach().clone() for key, value in flat.items()}  # DTensors stay DTensors: DCP reshards
+        # a copy in host memory (on a GPU: not a second copy on the device); DTensors stay DTensors, so DCP reshards
+        copy = {key: value.detach().to("cpu", copy=True) for key, value in flat.items()}
         future = self.writer.submit(_write, copy, self.run_dir, step, dict(metrics), self.keep, self.is_main,
                                     self.group)  # fmt: skip # the caller adds timings to its metrics
         self.in_flight = (step, future)
