@@ -53,7 +53,10 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     overrides = ["launcher.trainer_nodes=2", "inference.host=0.0.0.0", "inference.api_key=test-key",
                  "inference.replicas=2", "launcher.inference_jobs=2", "+launcher.sbatch.trainer.exclude=node3",
                  '+launcher.sbatch.inference.exclude="node[1-2]"']  # fmt: skip
-    with _driver(run, *overrides, steps=4) as (driver, out):
+    # the run must outlast the requeued inference job's return: its new address comes ~17 s after the requeue. With
+    # 4 steps the trainer, back 8 s after its preemption, once finished before that; steps take ~1 s here
+    steps = 24
+    with _driver(run, *overrides, steps=steps) as (driver, out):
         jobs = _job_ids(out)
         _wait(lambda: len(read_metrics(run, "trainer")) >= 2 or driver.poll() is not None, 600, out.read_text())
         first_node = _node_of(jobs["inference"])
@@ -64,8 +67,8 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
         driver.wait(timeout=900)
     text = out.read_text()
     assert driver.returncode == 0, text[-4000:]
-    assert [r["step"] for r in read_metrics(run, "trainer")] == [0, 1, 2, 3]  # every step once
-    assert [r["step"] for r in read_metrics(run, "orchestrator")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(steps))  # every step once
+    assert [r["step"] for r in read_metrics(run, "orchestrator")] == list(range(steps))
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert "on 2 rank(s)" in trainer_log and (run / "logs" / "trainer-rank1.log").exists()
     resumed = re.findall(r"starting at step (\d+) from \S+checkpoints", trainer_log)
