@@ -82,10 +82,11 @@ def _wait_for(condition, what: str, orchestrator: subprocess.Popen, timeout_s: f
         time.sleep(0.2)
 
 
-# One replica in CI. With 2 replicas on this 2-core machine and a 5 s rollout timeout the test passed once, then
-# failed twice in the clean-clone CI (every rollout timed out until the failure streak stopped the run). With the
-# timeout at 10 s it passed twice in a row here (2026-12-04); not yet in CI.
-REPLICAS = 1
+# Two replicas, so that a dead one's rollouts are rerouted to the other (rollouts/rerouted). With a 5 s rollout
+# timeout the 2-replica test failed twice in the clean-clone CI (every rollout timed out until the failure streak
+# stopped the run); with 10 s it passed three times here (2026-12-04: 303 and 235 failures at steps 0 and 1, 58
+# rerouted; the streak limit is 416 in a row).
+REPLICAS = 2
 
 
 def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_and_taken_back(cache_dir, tmp_path):
