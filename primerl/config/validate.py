@@ -6,6 +6,7 @@ from pathlib import Path
 from primerl.config.bounds import check_bounds
 from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
+from primerl.launch.config import JOB_ROLES
 from primerl.model.config import ModelSource
 
 
@@ -100,9 +101,6 @@ def validate(cfg: RunConfig) -> None:
     _validate_launcher(cfg)
 
 
-SBATCH_ROLES = ("trainer", "inference", "orchestrator", "sft")  # the job names of primerl/launch/slurm.py, less "-<j>"
-
-
 def _validate_launcher(cfg: RunConfig) -> None:
     lc = cfg.launcher
     if lc.name not in ("local", "slurm"):
@@ -118,8 +116,8 @@ def _validate_launcher(cfg: RunConfig) -> None:
         if cfg.inference.pd.enabled:
             raise ConfigError("inference.pd.enabled", "prefill/decode servers are not placed by launcher=slurm yet")
         for role in lc.sbatch:
-            if role not in SBATCH_ROLES:
-                raise ConfigError(f"launcher.sbatch.{role}", f"'{role}' is not a job role; one of {list(SBATCH_ROLES)}")
+            if role not in JOB_ROLES:
+                raise ConfigError(f"launcher.sbatch.{role}", f"'{role}' is not a job role; one of {list(JOB_ROLES)}")
 
 
 def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:

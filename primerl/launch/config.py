@@ -5,6 +5,14 @@ from typing import Any
 
 from primerl.config.bounds import bounded
 
+# The roles of a run's SLURM jobs (primerl/launch/slurm.py names inference jobs after the first `inference-<j>`); the
+# keys `launcher.sbatch` accepts.
+JOB_ROLES = ("trainer", "inference", "orchestrator", "sft")
+
+
+def job_role(job_name: str) -> str:
+    return job_name.split("-")[0]
+
 
 @dataclass
 class LauncherConfig:

@@ -29,6 +29,7 @@ from pathlib import Path
 import submitit
 
 from primerl.config.schema import RunConfig
+from primerl.launch.config import job_role
 from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.atomic import atomic_file
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
@@ -49,7 +50,7 @@ _running: subprocess.Popen | None = None  # the process of this job, for `checkp
 class ModuleJob(submitit.helpers.Checkpointable):
     """One process of the run as the body of a SLURM job (every task of the job runs it)."""
 
-    name: str  # inference (inference-<j> for j > 0) | orchestrator | trainer | sft
+    name: str  # a JOB_ROLES role, inference-<j> for inference jobs j > 0
     module: str
     overrides: list[str]
     run_dir: str
@@ -146,7 +147,7 @@ class SlurmLauncher:
             job_name=f"{self.cfg.name}-{name}", partition=lc.partition, account=lc.account, qos=lc.qos,
             time=lc.time_limit_min, nodes=nodes, ntasks_per_node=tasks, cpus_per_task=lc.cpus_per_task,
             gpus_per_node=gpus or None, signal_delay_s=lc.signal_delay_s, setup=list(lc.setup),
-            additional_parameters=dict(lc.sbatch.get(name.split("-")[0], {})),
+            additional_parameters=dict(lc.sbatch.get(job_role(name), {})),
         )  # fmt: skip
         job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
         self.jobs[name] = job

@@ -28,12 +28,7 @@ from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.metrics import append_metrics, read_metrics
 from primerl.model.start import initial_model_path
-from primerl.trainer.checkpoint import (
-    AsyncCheckpointer,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from primerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, make_checkpointer
 from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import (
     DistInfo,
@@ -88,6 +83,56 @@ def publish(model: torch.nn.Module, base: str, run_dir: Path, version: int, info
     dist.barrier()
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, cfg: RunConfig, info: DistInfo,
+               dp: int, context: ContextParallel | None, expert_params) -> dict[str, float]:  # fmt: skip
+    """Collective: forward/backward over this rank's micro-batches, clip, and the AdamW step unless the loss or the
+    gradient norm is not finite (`update_skipped` 1, the weights unchanged). Returns the step's metrics row, less the
+    timings of reading the batch and of what follows the update."""
+    totals = {"kl": 0.0, "masked": 0.0, "entropy": 0.0, "tokens": 0.0, "loss": 0.0}
+    forward_s = backward_s = 0.0
+    for micro in rank_micro_batches(batch.micro_batches, info.rank // cfg.parallelism.cp, dp):
+        t_forward = time.perf_counter()
+        micro = {k: v.to(info.device) for k, v in micro.items()}
+        if context:
+            with context.inputs(micro) as (input_ids, position_ids):
+                logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            logits, micro = context.loss_inputs(logits, micro)
+        else:
+            logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
+        parts = policy_loss(logits, micro, batch.num_loss_tokens, cfg.trainer.loss, cfg.orchestrator.temperature)
+        t_backward = time.perf_counter()
+        forward_s += t_backward - t_forward
+        # FSDP2 averages gradients over ranks; the loss is already a share of the global mean
+        (parts.loss * info.world_size).backward()
+        backward_s += time.perf_counter() - t_backward
+        totals["loss"] += parts.loss.item()
+        totals["kl"] += parts.mismatch_kl_sum
+        totals["masked"] += parts.masked_tokens
+        totals["entropy"] += parts.entropy_sum
+        totals["tokens"] += parts.tokens
+    t_optimizer = time.perf_counter()
+    scale_expert_grads(expert_params, info.world_size)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.optim.max_grad_norm))  # global
+    totals = {k: all_reduce_sum(v, info.device) for k, v in totals.items()}
+    applied = math.isfinite(grad_norm) and math.isfinite(totals["loss"])
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens = max(totals["tokens"], 1.0)
+    return {
+        "loss": totals["loss"],
+        "mismatch_kl": totals["kl"] / tokens,
+        "masked_fraction": totals["masked"] / tokens,
+        "entropy": totals["entropy"] / tokens,
+        "grad_norm": grad_norm,
+        "time/forward_s": forward_s,
+        "time/backward_s": backward_s,
+        "time/optimizer_s": time.perf_counter() - t_optimizer,
+        "batch/min_policy_version": float(batch.min_policy_version),
+        "update_skipped": float(not applied),
+    }
+
+
 def train(cfg: RunConfig, info: DistInfo) -> None:
     run_dir = Path(cfg.output_dir)
     dp = resolve_dp_shard(cfg, info.world_size)
@@ -115,88 +160,38 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     if info.is_main:
         source = checkpoint_path(run_dir, start) if start else base
         log.info(f"starting at step {start} from {source} on {info.world_size} rank(s)")
-    checkpointer = AsyncCheckpointer(run_dir, cfg.trainer.keep_checkpoints, info.is_main) \
-        if cfg.trainer.checkpoint_async else None  # fmt: skip
-    try:
-        nonfinite = 0  # steps in a row whose update was skipped
+    nonfinite = 0  # steps in a row whose update was skipped
+    checkpointer = make_checkpointer(run_dir, cfg.trainer.keep_checkpoints, info.is_main, cfg.trainer.checkpoint_async)
+    with checkpointer:  # the last checkpoint is STABLE before the trainer exits
         for step in range(start, cfg.trainer.max_steps):
             path, waited = wait_for_batch(run_dir, step)
             t0 = time.perf_counter()
             batch = read_rollout_batch(path)
             read_s = time.perf_counter() - t0
-            totals = {"kl": 0.0, "masked": 0.0, "entropy": 0.0, "tokens": 0.0, "loss": 0.0}
-            forward_s = backward_s = 0.0
-            for micro in rank_micro_batches(batch.micro_batches, info.rank // cp, dp):
-                t_forward = time.perf_counter()
-                micro = {k: v.to(info.device) for k, v in micro.items()}
-                if context:
-                    with context.inputs(micro) as (input_ids, position_ids):
-                        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-                    logits, micro = context.loss_inputs(logits, micro)
-                else:
-                    logits = model(
-                        input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False
-                    ).logits
-                parts = policy_loss(
-                    logits, micro, batch.num_loss_tokens, cfg.trainer.loss, cfg.orchestrator.temperature
-                )
-                t_backward = time.perf_counter()
-                forward_s += t_backward - t_forward
-                # FSDP2 averages gradients over ranks; the loss is already a share of the global mean
-                (parts.loss * info.world_size).backward()
-                backward_s += time.perf_counter() - t_backward
-                totals["loss"] += parts.loss.item()
-                totals["kl"] += parts.mismatch_kl_sum
-                totals["masked"] += parts.masked_tokens
-                totals["entropy"] += parts.entropy_sum
-                totals["tokens"] += parts.tokens
-            t_optimizer = time.perf_counter()
-            scale_expert_grads(expert_params, info.world_size)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), opt.max_grad_norm
-            )  # global: equal on all ranks
-            totals = {k: all_reduce_sum(v, info.device) for k, v in totals.items()}
-            applied = math.isfinite(float(grad_norm)) and math.isfinite(totals["loss"])
-            if applied:
-                optimizer.step()
-                nonfinite = 0
-            else:  # the weights stay as they were; the step is published unchanged so that the run goes on
+            metrics = train_step(model, optimizer, batch, cfg, info, dp, context, expert_params)
+            step_s = time.perf_counter() - t0
+            # step_s = read + forward + backward + optimizer (with the clip's all-reduce). Host times: on CUDA the
+            # split is approximate (kernels run async; .item() syncs), the sum exact.
+            metrics |= {
+                "time/step_s": step_s,
+                "time/wait_batch_s": waited,
+                "time/read_batch_s": read_s,
+                "throughput/tokens_per_s": sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
+            }
+            if metrics["update_skipped"]:  # the weights stay as they were; published unchanged, the run goes on
                 nonfinite += 1
-                log.warning(f"step {step}: loss {totals['loss']} / grad norm {float(grad_norm)} not finite: update "
-                            f"skipped ({nonfinite} in a row; trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps})")  # fmt: skip
+                log.warning(f"step {step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']} not finite: "
+                            f"update skipped ({nonfinite} in a row; trainer.max_nonfinite_steps="
+                            f"{cfg.trainer.max_nonfinite_steps})")  # fmt: skip
                 if nonfinite >= cfg.trainer.max_nonfinite_steps:
                     raise RunError(f"{nonfinite} steps in a row had a non-finite loss or gradient norm (last: step "
                                    f"{step}); the run stops at its last finite checkpoint")  # fmt: skip
-            optimizer.zero_grad(set_to_none=True)
-            t_end = time.perf_counter()
-            step_s = t_end - t0
-            tokens = max(totals["tokens"], 1.0)
-            metrics = {
-                "loss": totals["loss"],
-                "mismatch_kl": totals["kl"] / tokens,
-                "masked_fraction": totals["masked"] / tokens,
-                "entropy": totals["entropy"] / tokens,
-                "grad_norm": float(grad_norm),
-                "time/step_s": step_s,
-                "time/wait_batch_s": waited,
-                # step_s = read + forward + backward + optimizer (with the clip's all-reduce). Host times: on CUDA the
-                # split is approximate (kernels run async; .item() syncs), the sum exact.
-                "time/read_batch_s": read_s,
-                "time/forward_s": forward_s,
-                "time/backward_s": backward_s,
-                "time/optimizer_s": t_end - t_optimizer,
-                "throughput/tokens_per_s": sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
-                "batch/min_policy_version": float(batch.min_policy_version),
-                "update_skipped": float(not applied),
-            }
+            else:
+                nonfinite = 0
             t1 = time.perf_counter()
             with writing(f"checkpoint and weights of step {step + 1}", "nothing of it is marked STABLE"):
                 if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.trainer.max_steps:
-                    if checkpointer:
-                        checkpointer.save(model, optimizer, step + 1, metrics)
-                    else:
-                        save_checkpoint(model, optimizer, run_dir, step + 1, metrics, cfg.trainer.keep_checkpoints,
-                                        info.is_main)  # fmt: skip
+                    checkpointer.save(model, optimizer, step + 1, metrics)
                 t2 = time.perf_counter()
                 publish(model, base, run_dir, step + 1, info)
             metrics["time/checkpoint_s"] = t2 - t1
@@ -209,12 +204,6 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
                 log.info(f"step {step}{' replayed' if replayed else ''}: loss {metrics['loss']:+.4f} mismatch_kl "
                          f"{metrics['mismatch_kl']:.2e} grad_norm {metrics['grad_norm']:.3f} ({step_s:.1f}s, waited "
                          f"{waited:.1f}s)")  # fmt: skip
-    except BaseException:
-        if checkpointer:
-            checkpointer.close(quiet=True)  # what the step raised is the error to report
-        raise
-    if checkpointer:
-        checkpointer.close()  # the last checkpoint is STABLE before the trainer exits
 
 
 @hydra_app()

@@ -110,13 +110,35 @@ def _write(flat: dict, run_dir: str | Path, step: int, metrics: dict, keep: int,
     return target
 
 
-class AsyncCheckpointer:
-    """Checkpoints written by one writer thread, over a gloo group of their own (the training thread's collectives
-    run meanwhile on the default group). Every rank makes one, at the same point, and calls `save` for the same
-    steps."""
+class Checkpointer:
+    """Writes the trainer's checkpoints (`save_checkpoint`); `save` returns once the checkpoint is STABLE. Every rank
+    makes one and calls `save` for the same steps. Used as a context manager around the step loop: leaving it waits
+    for any write still in flight, and if the loop is failing, logs that write's failure instead of raising it (the
+    loop's error is the one to report)."""
 
     def __init__(self, run_dir: str | Path, keep: int, is_main: bool):
         self.run_dir, self.keep, self.is_main = run_dir, keep, is_main
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, metrics: dict) -> None:
+        """Collective."""
+        save_checkpoint(model, optimizer, self.run_dir, step, metrics, self.keep, self.is_main)
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the write in flight, if any; `quiet` logs its failure instead of raising it."""
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        self.close(quiet=error_type is not None)
+
+
+class AsyncCheckpointer(Checkpointer):
+    """Checkpoints written by one writer thread, over a gloo group of their own (the training thread's collectives
+    run meanwhile on the default group)."""
+
+    def __init__(self, run_dir: str | Path, keep: int, is_main: bool):
+        super().__init__(run_dir, keep, is_main)
         self.group = dist.new_group(backend="gloo")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.in_flight: tuple[int, Future] | None = None
@@ -139,7 +161,6 @@ class AsyncCheckpointer:
                 future.result()
 
     def close(self, quiet: bool = False) -> None:
-        """Wait for the checkpoint in flight; `quiet` (the trainer is already failing) logs its failure instead."""
         try:
             self.wait()
         except RunError as err:
@@ -148,6 +169,11 @@ class AsyncCheckpointer:
             log.warning(str(err))
         finally:
             self.writer.shutdown()
+
+
+def make_checkpointer(run_dir: str | Path, keep: int, is_main: bool, asynchronous: bool) -> Checkpointer:
+    """Collective when `asynchronous` (it makes the writer's process group)."""
+    return (AsyncCheckpointer if asynchronous else Checkpointer)(run_dir, keep, is_main)
 
 
 def verify_checkpoint(path: Path) -> dict:
