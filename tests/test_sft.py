@@ -12,7 +12,7 @@ from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
 from primerl.model.start import GENERATED_DEMONSTRATIONS, data_digest, sft_checkpoint_dir
 from primerl.model.tiny import build_tiny_model, build_tokenizer
-from primerl.sft.__main__ import demonstrations, packed_loss_sum
+from primerl.sft.__main__ import STOP_WINDOW, demonstrations, packed_loss_sum, stop_reached
 from primerl.sft.data import IGNORE, chat_example, conversation_example, load_conversations, pack
 from tests.conftest import run_module
 
@@ -135,6 +135,13 @@ def test_sloppy_demonstrations_are_reversals_some_in_capitals():
     assert lcs_ratio(capitals[0], capitals[0].lower()[::-1]) == 0.0  # the reward is case-sensitive
 
 
+def test_stop_loss_compares_the_mean_of_the_last_window():
+    assert not stop_reached([0.1] * (STOP_WINDOW - 1), 0.2)  # too few steps for a mean
+    assert stop_reached([9.0] * 10 + [0.2] * STOP_WINDOW, 0.2)  # only the last window counts, and "at most"
+    assert not stop_reached([0.1] * (STOP_WINDOW - 1) + [5.2], 0.2)  # mean 0.202
+    assert not stop_reached([0.0] * 100, None)
+
+
 def test_lcs_ratio():
     assert lcs_ratio("cba", "abc") == 1.0
     assert lcs_ratio("", "abc") == 0.0
@@ -175,8 +182,14 @@ def test_sft_from_a_chat_dataset(tmp_path):
     result = run_module("primerl.sft", *args, f"sft.data={data}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
-    assert len(metrics["losses"]) == 3 and metrics["loss_final"] == metrics["losses"][-1]
+    assert len(metrics["losses"]) == 3 == metrics["steps"] and metrics["loss_final"] == metrics["losses"][-1]
     assert (tmp_path / "cache" / "sft").is_dir()
+    # sft.stop_loss ends it at the first full window whose mean is low enough: here the first
+    result = run_module("primerl.sft", *args, f"sft.data={data}", f"sft.steps={STOP_WINDOW + 20}", "sft.stop_loss=100")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
+    assert metrics["steps"] == len(metrics["losses"]) == STOP_WINDOW
+    assert f"stopping at step {STOP_WINDOW}: mean loss of the last {STOP_WINDOW} steps" in result.stdout + result.stderr
     for bad, why in ((["sft.data=null"], "sft.data: no demonstrations for env.id=guess-number"),
                      ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
                      ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory")):  # fmt: skip

@@ -101,6 +101,7 @@ def _hf_config(arch: TinyArchConfig, tokenizer: PreTrainedTokenizerFast, dtype: 
         intermediate_size=arch.intermediate_size,
         max_position_embeddings=arch.max_position_embeddings,
         rope_theta=arch.rope_theta,
+        initializer_range=arch.initializer_range,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),

@@ -68,6 +68,15 @@ def packed_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     )
 
 
+STOP_WINDOW = 50  # steps in the mean that `sft.stop_loss` is compared with: ~10k answer tokens at batch 32
+
+
+def stop_reached(losses: list[float], stop_loss: float | None) -> bool:
+    return (
+        stop_loss is not None and len(losses) >= STOP_WINDOW and sum(losses[-STOP_WINDOW:]) / STOP_WINDOW <= stop_loss
+    )
+
+
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak."""
     s = cfg.sft
@@ -160,6 +169,11 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
         tokens_seen += int(all_reduce_sum(batch.input_ids.numel(), info.device))
         if info.is_main:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
+        if stop_reached(losses, cfg.sft.stop_loss):
+            if info.is_main:
+                log.info(f"stopping at step {step + 1}: mean loss of the last {STOP_WINDOW} steps "
+                         f"{sum(losses[-STOP_WINDOW:]) / STOP_WINDOW:.4f} <= sft.stop_loss={cfg.sft.stop_loss}")  # fmt: skip
+            break
         if cfg.sft.save_every and (step + 1) % cfg.sft.save_every == 0 and step + 1 < cfg.sft.steps:
             state = full_state_dict(model)  # a collective: every rank takes part
             if info.is_main:
@@ -189,6 +203,7 @@ def main(dict_cfg: DictConfig) -> None:
             metrics = {
                 "losses": losses,
                 "loss_final": losses[-1],
+                "steps": len(losses),  # fewer than sft.steps when sft.stop_loss stopped it
                 "train_wall_s": wall_s,
                 "world_size": info.world_size,
                 "checkpoint": str(out_dir),

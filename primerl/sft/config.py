@@ -16,7 +16,11 @@ class SftConfig:
     # None: the env's generated demonstrations (reverse-text, code-lookup). The held-out score is primerl.eval's (or
     # the step-0 online eval of `train`); SFT itself reports its loss.
     data: str | None = None
-    steps: int = bounded(1500, ge=1)
+    steps: int = bounded(1500, ge=1)  # optimizer steps; with `stop_loss`, the most
+    # Stop once the mean loss of the last STOP_WINDOW (50) steps is at most this: when the start is good enough, however
+    # long the task took to appear. Each loss is taken before its batch's update; generated demonstrations are never
+    # repeated, so it is a held-out loss (with `sft.data`, only during the first pass over it). None: run every step.
+    stop_loss: float | None = bounded(None, gt=0)
     batch_size: int = bounded(32, ge=1)  # sequences per optimizer step, across all ranks
     seq_len: int = bounded(256, ge=2)  # packed row length
     lr: float = bounded(3e-3, gt=0)
