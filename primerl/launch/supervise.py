@@ -53,7 +53,12 @@ def sft_needed(cfg: RunConfig) -> bool:
     if is_stable(target):
         log.info(f"SFT warm-start found at {target}")
         return False
-    log.info(f"SFT warm-start ({cfg.sft.steps} steps) -> {target}")
+    steps = (
+        f"at most {cfg.sft.steps} steps, to sft.stop_loss={cfg.sft.stop_loss}"
+        if cfg.sft.stop_loss
+        else f"{cfg.sft.steps} steps"
+    )
+    log.info(f"SFT warm-start ({steps}) -> {target}")
     return True
 
 
