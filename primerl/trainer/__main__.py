@@ -43,7 +43,7 @@ from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.loss import policy_loss
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.transport.atomic import is_stable
-from primerl.transport.batches import read_rollout_batch
+from primerl.transport.batches import RolloutBatch, read_rollout_batch
 from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
@@ -83,8 +83,9 @@ def publish(model: torch.nn.Module, base: str, run_dir: Path, version: int, info
     dist.barrier()
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, cfg: RunConfig, info: DistInfo,
-               dp: int, context: ContextParallel | None, expert_params) -> dict[str, float]:  # fmt: skip
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, cfg: RunConfig,
+               info: DistInfo, dp: int, context: ContextParallel | None,
+               expert_params: set[torch.nn.Parameter]) -> dict[str, float]:  # fmt: skip
     """Collective: forward/backward over this rank's micro-batches, clip, and the AdamW step unless the loss or the
     gradient norm is not finite (`update_skipped` 1, the weights unchanged). Returns the step's metrics row, less the
     timings of reading the batch and of what follows the update."""
