@@ -47,8 +47,11 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-5), key
     assert rows[1]["grad_norm"] > 0
     base = load_file(f"{base_model_path(cfg)}/model.safetensors")
+    # AdamW's first step divides each gradient by its own magnitude (plus eps 1e-8), so an element whose gradient is
+    # near eps turns the reduction order's rounding into up to ~1e-6 of its 1e-4 update: 3 of ~0.8M elements moved
+    # 1.2e-6 to 2.5e-6 apart with fsdp2_cp. A wrong shard or gather moves whole tensors by ~1e-4.
     for name, value in weights[1].items():
-        torch.testing.assert_close(weights[2][name], value, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(weights[2][name], value, rtol=0, atol=1e-5, msg=name)
     unchanged = [name for name, value in weights[1].items() if torch.equal(value, base[name])]
     assert all(".experts." in name for name in unchanged), unchanged  # only an expert no token chose keeps still
     assert len(unchanged) < len(weights[1]) / 4

@@ -5,6 +5,7 @@ real vLLM path is in tests/test_faults.py)."""
 import asyncio
 import os
 import socket
+import time
 
 import pytest
 
@@ -62,10 +63,15 @@ class ServerRunner:
     def __init__(self, server: FakeServer, seconds: float = 0.05):
         self.server, self.seconds = server, seconds
         self.tasks: list = []
+        self.cancelled: list = []
 
     async def run(self, task):
         self.tasks.append(task)
-        await asyncio.sleep(self.seconds)
+        try:
+            await asyncio.sleep(self.seconds)
+        except asyncio.CancelledError:
+            self.cancelled.append(task)
+            raise
         if not self.server.up:
             return [RolloutFailure("Connection error")]
         return [Rollout(1.0, {}, [ScoredBranch([1, 2], [False, True], [0.0, -0.1])], "ok")]
@@ -116,6 +122,31 @@ def test_rollouts_go_to_the_least_loaded_up_replica_and_a_dead_ones_run_again_el
             server.up = False
         entries = await runner.run(400)
         assert isinstance(entries[0], RolloutFailure) and not replicas.serving
+
+    asyncio.run(main())
+
+
+def test_a_rollout_on_a_replica_marked_down_runs_again_elsewhere_at_once():
+    """The watcher's health check marks a replica down while a rollout is in flight there (its client would retry a
+    dead server for longer than the rollout's timeout): the rollout is cancelled and runs on another replica now."""
+    servers, replicas, runners, runner = replica_set(2, seconds=30)
+    runners[1].seconds = 0.05
+
+    async def main():
+        first = asyncio.create_task(runner.run("a"))
+        await until(lambda: replicas.outstanding == [1, 0])  # ties go to the lowest index
+        started = time.monotonic()
+        replicas.mark_down(0, "/health did not answer")
+        entries = await asyncio.wait_for(first, 5)
+        assert isinstance(entries[0], Rollout) and time.monotonic() - started < 1
+        await until(lambda: runners[0].cancelled == ["a"])
+        assert runners[1].tasks == ["a"] and replicas.rerouted == 1 and replicas.outstanding == [0, 0]
+        # back up: rollouts go there again; one cancelled from outside (its timeout) leaves nothing running
+        replicas.mark_up(0)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runner.run("b"), 0.2)
+        await until(lambda: runners[0].cancelled == ["a", "b"])
+        assert replicas.outstanding == [0, 0] and replicas.rerouted == 1
 
     asyncio.run(main())
 

@@ -9,7 +9,10 @@ Invariants:
   marked down;
 - a rollout whose every trace failed is checked against its replica's health: when the replica does not answer, it is
   marked down and the rollout runs again, from the start, on another up replica (counted in `rerouted`); a rollout
-  is run at most once per replica. Failures on a replica that is up are the env's, and stay failures.
+  is run at most once per replica. Failures on a replica that is up are the env's, and stay failures;
+- a rollout in flight on a replica that is marked down (by the watcher's health checks, or another rollout's failure)
+  is cancelled and runs again elsewhere at once (counted in `rerouted`): it does not wait out its client's retries
+  against a dead server, which can take longer than `orchestrator.rollout_timeout_s`.
 """
 
 import asyncio
@@ -33,6 +36,7 @@ class Replicas:
         self.outstanding = [0] * len(clients)
         self.rerouted = 0  # rollouts run again on another replica after theirs went down, cumulative
         self.down_event = asyncio.Event()  # set by mark_down: the watcher starts that replica's recovery
+        self._went_down = [asyncio.Event() for _ in clients]  # per replica: set while it is down
         self.on_move: list[Callable[[int, str], None]] = []  # told when a replica moves to another address
 
     def __len__(self) -> int:
@@ -55,10 +59,15 @@ class Replicas:
         if self.up[index]:
             self.up[index] = False
             log.warning("inference replica %d (%s) is down: %s", index, self.clients[index].base_url, why)
+            self._went_down[index].set()
             self.down_event.set()
 
     def mark_up(self, index: int) -> None:
         self.up[index] = True
+        self._went_down[index].clear()
+
+    async def wait_down(self, index: int) -> None:
+        await self._went_down[index].wait()
 
     def move(self, index: int, base_url: str) -> None:
         """Replica `index` now serves at `base_url` (a requeued SLURM job on another node or port); only while down."""
@@ -92,17 +101,36 @@ class ReplicaRunner:
         entries: list[Rollout | RolloutFailure] = []
         while (index := self.replicas.pick(tried)) is not None:
             tried.add(index)
-            self.replicas.outstanding[index] += 1
-            try:
-                entries = await self.runners[index].run(task)
-            finally:
-                self.replicas.outstanding[index] -= 1
-            if any(isinstance(e, Rollout) for e in entries) or await self.replicas.clients[index].healthy():
+            entries = await self._run_on(index, task)
+            if entries is None:  # its replica went down under it
+                entries = [RolloutFailure(f"inference replica {index} went down during the rollout")]
+            elif any(isinstance(e, Rollout) for e in entries) or await self.replicas.clients[index].healthy():
                 return entries
-            self.replicas.mark_down(index, f"a rollout failed ({_first_reason(entries)}) and /health did not answer")
+            else:
+                self.replicas.mark_down(
+                    index, f"a rollout failed ({_first_reason(entries)}) and /health did not answer"
+                )
             if self.replicas.pick(tried) is not None:
                 self.replicas.rerouted += 1
         return entries or [RolloutFailure("no inference replica is up")]
+
+    async def _run_on(self, index: int, task: Any) -> list[Rollout | RolloutFailure] | None:
+        """The rollout's entries from replica `index`; None, the rollout cancelled, if the replica is marked down first."""
+        self.replicas.outstanding[index] += 1
+        rollout = asyncio.ensure_future(self.runners[index].run(task))
+        went_down = asyncio.ensure_future(self.replicas.wait_down(index))
+        try:
+            await asyncio.wait((rollout, went_down), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller was cancelled (the rollout's timeout): nothing is left running
+            rollout.cancel()
+            raise
+        finally:
+            self.replicas.outstanding[index] -= 1
+            went_down.cancel()
+        if not rollout.done():
+            rollout.cancel()  # it finishes cancelling in the background
+            return None
+        return rollout.result()
 
 
 def _first_reason(entries: list[Rollout | RolloutFailure]) -> str:
