@@ -27,7 +27,7 @@ train: install
 sft: install
 	$(PY) -m primerl.sft +experiment=$(EXPERIMENT)
 
-# the default suite (21 min on a clean clone here, 2026-12-04); `long` tests (several minutes each) run in CI after it, or with `make test-long`
+# the default suite (24 min on a clean clone here, 2026-12-04); `long` tests (several minutes each) run in CI after it, or with `make test-long`
 test: install
 	$(PY) -m pytest -q -m "not long" --durations=15 $(PYTEST_ARGS)
 
