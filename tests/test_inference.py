@@ -332,7 +332,7 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
 
     cfg = check(["+experiment=reverse_text", "env=verifiers", "env.id=faulty-reverse-text", "env.workers=2",
                  "+env.args.process_faults=true", "+env.args.block_s=20", "env.worker_timeout_s=3",
-                 f"inference.api_key={API_KEY}"])  # fmt: skip
+                 "env.worker_grace_s=3", f"inference.api_key={API_KEY}"])  # fmt: skip
     env = load_env(cfg.env)
     by_fault: dict = {}
     for task in itertools.islice(iter(env.taskset), 400):
@@ -344,7 +344,7 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
         return len(entries) == 1 and isinstance(entries[0], Rollout)
 
     async def main():
-        pool = EnvWorkers("faulty", env_config(cfg.env), 2, cfg.env.worker_timeout_s,
+        pool = EnvWorkers("faulty", env_config(cfg.env), 2, cfg.env.worker_timeout_s, cfg.env.worker_grace_s,
                           task_type=type(env.taskset).task_type())  # fmt: skip
         async with pool:
             pids = [w.process.pid for w in pool.workers]
@@ -355,7 +355,7 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
             assert isinstance(raised, RolloutFailure) and "failed on purpose" in raised.reason
             assert pool.restarts == 0  # an env error is data, not a lost worker
 
-            for fault, why in (("exit", "exited with code 3"), ("block", "no answer to a health check in 3s")):
+            for fault, why in (("exit", "exited with code 3"), ("block", "no health answer or finished rollout in 3s")):
                 # the faulty task goes to the idler worker, then 3 more each way: whoever shares the faulty one's
                 # worker may be lost with it, the other worker's rollouts all come back
                 results = await asyncio.gather(*(pool.run(ctx, t) for t in [by_fault[fault][0], *ok_tasks[4:10]]))

@@ -16,6 +16,7 @@ from primerl.orchestrator.watcher import Watcher
 from primerl.transport.atomic import STABLE_MARKER
 from primerl.transport.run_dir import weights_path
 from primerl.utils.errors import RunError
+from primerl.utils.liveness import Liveness
 
 
 class FakeServer:
@@ -25,11 +26,15 @@ class FakeServer:
         self.base_url = f"http://{name}"  # where the orchestrator sends
         self.address = self.base_url  # where the server is (another place after a requeue)
         self.up = True
+        self.hung = False  # /health gives no answer in time (a loaded or a hung server)
         self.served = 0
         self.loads: list[int] = []
 
+    async def health(self) -> bool | None:
+        return None if self.hung else await self.healthy()
+
     async def healthy(self) -> bool:
-        return self.up and self.address == self.base_url
+        return self.up and not self.hung and self.address == self.base_url
 
     def move_to(self, base_url: str) -> None:
         self.base_url = base_url
@@ -147,6 +152,35 @@ def test_a_rollout_on_a_replica_marked_down_runs_again_elsewhere_at_once():
             await asyncio.wait_for(runner.run("b"), 0.2)
         await until(lambda: runners[0].cancelled == ["a", "b"])
         assert replicas.outstanding == [0, 0] and replicas.rerouted == 1
+
+    asyncio.run(main())
+
+
+def test_a_replica_slow_to_answer_health_stays_up_while_it_finishes_rollouts(tmp_path):
+    """A loaded server answers /health late: it stays up while rollouts finish on it; one that also finishes nothing
+    (hung) is marked down once the silence passes the limit. A refused /health is down at once."""
+    servers, replicas, runners, runner = replica_set(2)
+    replicas.liveness = Liveness("inference replicas", 0.3, 0.3, tick_s=0.1)
+    watcher = Watcher(tmp_path, replicas, Policy(), 0.01, 5.0)
+
+    async def probe_for(seconds: float, work: bool) -> None:
+        for _ in range(int(seconds / 0.1)):
+            if work:
+                await asyncio.gather(*(runner.run(i) for i in range(2)))
+            else:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
+            await watcher.probe()
+
+    async def main():
+        servers[0].hung = True
+        await probe_for(1.0, work=True)  # ten times the limit: slow, but it keeps finishing rollouts
+        assert replicas.up == [True, True] and len(runners[0].tasks) >= 5
+        await probe_for(0.6, work=False)  # silent and idle: hung
+        assert replicas.up == [False, True]
+        servers[1].up = False  # refused: no waiting for a limit
+        await watcher.probe()
+        assert replicas.up == [False, False]
 
     asyncio.run(main())
 

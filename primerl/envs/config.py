@@ -23,8 +23,11 @@ class EnvConfig:
     # rollouts run in this many worker processes (a verifiers EnvServer each; primerl.envs.workers), not in the
     # orchestrator's event loop: an env's CPU work or crash then costs only its own rollouts. 0: in-process.
     workers: int = bounded(0, ge=0)
-    # a worker that does not answer a health check for this long (its event loop blocked) is killed and restarted
+    # a worker that shows no sign of life (no health answer, no rollout finished) for this long, its event loop
+    # blocked, is killed and restarted (primerl.utils.liveness)
     worker_timeout_s: float = bounded(30.0, gt=0)
+    # the same limit for a worker that has not finished its first rollout yet (imports, warm-up); at least the above
+    worker_grace_s: float = bounded(60.0, gt=0)
 
     def held_out(self) -> "EnvConfig":
         """This env with `eval_args` merged over `args`: its held-out split (itself when it names none)."""

@@ -8,10 +8,11 @@ and `EnvWorkers` supervises them.
 Invariants:
 - a rollout runs on one worker from start to end; a new rollout goes to the live worker with the fewest rollouts
   outstanding (ties: the lowest index), never to one that is starting or lost;
-- a worker that exits (any code or signal) or does not answer a health check for `worker_timeout_s` (its event loop
-  blocked) is lost: it is killed with its whole process group, every rollout it held comes back at once as a
-  `RolloutFailure` naming the worker and why, and a new one is started in its place (`restarts`), taking rollouts
-  once it answers;
+- a worker that exits (any code or signal) is lost; so is one that shows no sign of life (no health answer, no
+  rollout finished) for `worker_timeout_s`, or `worker_grace_s` before its first rollout, backed off while fresh
+  workers keep being lost (primerl.utils.liveness: a slow worker is not a dead one). A lost worker is killed with its
+  whole process group, every rollout it held comes back at once as a `RolloutFailure` naming the worker and why, and a
+  new one is started in its place (`restarts`), taking rollouts once it answers;
 - an env that raises inside a rollout costs that rollout only: verifiers answers it as data;
 - `MAX_START_FAILURES` workers in a row that die before their first health answer end the run (`RunError`): that is a
   broken env or config, not a fault to ride out;
@@ -36,6 +37,7 @@ from verifiers.v1.serve import EnvClient, serve_env
 
 from primerl.envs.verifiers_env import Rollout, RolloutFailure, episode_rollouts
 from primerl.utils.errors import RunError
+from primerl.utils.liveness import Liveness, Pulse
 from primerl.utils.log import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -66,8 +68,12 @@ class Worker:
     gone: asyncio.Future  # its result is why the worker was lost
     live: bool = False
     outstanding: int = 0
-    served: int = 0  # rollouts finished on it
+    pulse: Pulse = field(default_factory=Pulse)  # its signs of life; `pulse.finished` counts the rollouts it answered
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def served(self) -> int:
+        return self.pulse.finished
 
 
 class EnvWorkers:
@@ -75,12 +81,21 @@ class EnvWorkers:
     primerl.envs.verifiers_env.env_config). An async context manager; `supervisor` is the task to watch: it raises
     `RunError` when workers cannot start."""
 
-    def __init__(self, name: str, config_data: dict, count: int, timeout_s: float, startup_timeout_s: float = 300.0,
-                 task_type: type | None = None):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        config_data: dict,
+        count: int,
+        timeout_s: float,
+        grace_s: float = 0.0,
+        startup_timeout_s: float = 300.0,
+        task_type: type | None = None,
+    ):
         if count < 1:
             raise ValueError(f"need at least one env worker, got {count}")
         self.name, self.config_data, self.count = name, config_data, count
-        self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.liveness = Liveness(f"env workers of {name}", timeout_s, grace_s, tick_s=HEALTH_EVERY_S)
         self.workers: list[Worker | None] = [None] * count
         self.restarts = 0  # workers started again after one was lost, cumulative
         self.lost = 0  # rollouts failed because their worker was lost, cumulative
@@ -146,11 +161,11 @@ class EnvWorkers:
                 await asyncio.gather(request, return_exceptions=True)
                 self.lost += 1
                 return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}")]
+            self.liveness.finished(worker.pulse)  # an answer, whatever it says, is a sign of life
             try:
                 episode = request.result()
             except Exception as err:  # the server's answer to a request it could not run
                 return [RolloutFailure(f"env worker {worker.index}: {str(err).splitlines()[0][:300]}")]
-            worker.served += 1
             return episode_rollouts(episode)
         finally:
             if not request.done():  # cancelled from outside (rollout timeout, stale group)
@@ -170,6 +185,7 @@ class EnvWorkers:
             await self._stop(worker, reason)
             if was_live:
                 failed_starts = 0
+                self.liveness.lost(worker.pulse)
                 log.warning("env worker %d of %s lost after %d rollouts (%s); starting it again", index, self.name,
                             worker.served, reason)  # fmt: skip
             else:
@@ -196,26 +212,37 @@ class EnvWorkers:
         loop = asyncio.get_running_loop()
         died = loop.create_future()
         loop.add_reader(worker.process.sentinel, lambda: died.done() or died.set_result(None))
+        probe = asyncio.ensure_future(self._healthy(worker, self.startup_timeout_s))
         try:
-            while True:
-                timeout = self.timeout_s if worker.live else self.startup_timeout_s
-                health = asyncio.ensure_future(self._healthy(worker, timeout))
-                await asyncio.wait([health, died], return_when=asyncio.FIRST_COMPLETED)
-                if died.done():
-                    health.cancel()
-                    # the sentinel fires as the process's pipes close, which can be before it can be reaped
-                    await asyncio.to_thread(worker.process.join, 5)
-                    return _exit_reason(worker.process.exitcode)
-                if not health.result():
-                    return f"no answer to a health check in {timeout:.0f}s"
-                if not worker.live:
-                    worker.live = True
-                    self._live.set()
-                    log.info("env worker %d of %s is up (pid %d, %.1fs)", worker.index, self.name,
-                             worker.process.pid, time.monotonic() - worker.started)  # fmt: skip
+            await asyncio.wait([probe, died], return_when=asyncio.FIRST_COMPLETED)
+            if not died.done() and not probe.result():
+                return f"no answer to a health check in {self.startup_timeout_s:.0f}s of start-up"
+            if not died.done():
+                worker.live = True
+                self._live.set()
+                log.info("env worker %d of %s is up (pid %d, %.1fs)", worker.index, self.name, worker.process.pid,
+                         time.monotonic() - worker.started)  # fmt: skip
+            last = time.monotonic()
+            while not died.done():
+                if probe.done():  # one health check in flight at a time; its answer is a sign of life
+                    probe = asyncio.ensure_future(self._answers(worker))
                 await asyncio.wait([died], timeout=HEALTH_EVERY_S)
+                now = time.monotonic()
+                elapsed, last = now - last, now
+                if not died.done() and self.liveness.observe(worker.pulse, elapsed):
+                    return f"no health answer or finished rollout in {self.liveness.limit(worker.pulse):.0f}s"
+            # the sentinel fires as the process's pipes close, which can be before it can be reaped
+            await asyncio.to_thread(worker.process.join, 5)
+            return _exit_reason(worker.process.exitcode)
         finally:
+            probe.cancel()
             loop.remove_reader(worker.process.sentinel)
+
+    async def _answers(self, worker: Worker) -> None:
+        """One health check of a live worker; an answer resets its silence."""
+        with contextlib.suppress(Exception):  # no answer in time, or a malformed one, counts as none
+            if await worker.client.health(timeout=self.liveness.limit(worker.pulse)):
+                worker.pulse.answered()
 
     async def _healthy(self, worker: Worker, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -51,11 +51,19 @@ class InferenceClient:
         so nothing of the old address is reused."""
         self.base_url = self.http.base_url = base_url
 
-    async def healthy(self) -> bool:
+    async def health(self) -> bool | None:
+        """True: /health answered 200. False: the server refused (no listener, an error status, a broken answer): it is
+        down. None: no answer within 5 s, which a loaded server may give and a hung one gives; the caller weighs it
+        (primerl.utils.liveness)."""
         try:
             return (await self.http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.TimeoutException:
+            return None
         except httpx.HTTPError:
             return False
+
+    async def healthy(self) -> bool:
+        return await self.health() is True
 
     async def wait_healthy(self, timeout_s: float, before_probe: Callable[[], None] = lambda: None) -> None:
         """Until /health answers 200, probing with back-off up to 10 s apart (`before_probe` runs before each)."""

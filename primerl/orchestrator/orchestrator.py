@@ -270,7 +270,7 @@ async def serve_envs(entries: "Sequence[EnvConfig]", stack: contextlib.AsyncExit
         env = envs[entry.id] = load_env(entry)
         if entry.workers:
             pool = EnvWorkers(entry.id, env_config(entry), entry.workers, entry.worker_timeout_s,
-                              task_type=type(env.taskset).task_type())  # fmt: skip
+                              entry.worker_grace_s, task_type=type(env.taskset).task_type())  # fmt: skip
             by_name[entry.id] = await stack.enter_async_context(pool)
             pools.append(by_name[entry.id])
         else:

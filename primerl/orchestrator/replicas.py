@@ -7,9 +7,12 @@ Invariants:
 - a rollout runs on one replica from its first turn to its last (the replica's prefix cache holds its earlier turns);
 - a new rollout goes to the up replica with the fewest rollouts outstanding (ties: the lowest index), never to one
   marked down;
-- a rollout whose every trace failed is checked against its replica's health: when the replica does not answer, it is
-  marked down and the rollout runs again, from the start, on another up replica (counted in `rerouted`); a rollout
-  is run at most once per replica. Failures on a replica that is up are the env's, and stay failures;
+- a rollout whose every trace failed is checked against its replica's health: when the replica refuses it (nothing
+  listens, an error status), it is marked down and the rollout runs again, from the start, on another up replica
+  (counted in `rerouted`); a rollout is run at most once per replica. Failures on a replica that is up, or only slow
+  to answer (the watcher weighs that: `liveness`), are the env's, and stay failures;
+- a replica's signs of life are its health answers and the rollouts it finishes (`pulses`); the watcher marks one
+  down that has shown neither for `liveness`'s limit, so a loaded replica is not taken for a dead one;
 - a rollout in flight on a replica that is marked down (by the watcher's health checks, or another rollout's failure)
   is cancelled and runs again elsewhere at once (counted in `rerouted`): it does not wait out its client's retries
   against a dead server, which can take longer than `orchestrator.rollout_timeout_s`.
@@ -22,9 +25,12 @@ from typing import Any
 from primerl.envs.verifiers_env import Rollout, RolloutFailure
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.orchestrator.types import RolloutRunner
+from primerl.utils.liveness import Liveness, Pulse
 from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
+HEALTH_EVERY_S = 5.0  # the watcher's health checks of every up replica
+SILENT_LIMIT_S = 15.0  # no health answer and no finished rollout for this long: down (three checks missed)
 
 
 class Replicas:
@@ -37,6 +43,8 @@ class Replicas:
         self.rerouted = 0  # rollouts run again on another replica after theirs went down, cumulative
         self.down_event = asyncio.Event()  # set by mark_down: the watcher starts that replica's recovery
         self._went_down = [asyncio.Event() for _ in clients]  # per replica: set while it is down
+        self.pulses = [Pulse() for _ in clients]
+        self.liveness = Liveness("inference replicas", SILENT_LIMIT_S, SILENT_LIMIT_S, tick_s=HEALTH_EVERY_S)
         self.on_move: list[Callable[[int, str], None]] = []  # told when a replica moves to another address
 
     def __len__(self) -> int:
@@ -64,6 +72,7 @@ class Replicas:
 
     def mark_up(self, index: int) -> None:
         self.up[index] = True
+        self.pulses[index] = Pulse()
         self._went_down[index].clear()
 
     async def wait_down(self, index: int) -> None:
@@ -104,12 +113,13 @@ class ReplicaRunner:
             entries = await self._run_on(index, task)
             if entries is None:  # its replica went down under it
                 entries = [RolloutFailure(f"inference replica {index} went down during the rollout")]
-            elif any(isinstance(e, Rollout) for e in entries) or await self.replicas.clients[index].healthy():
+            elif any(isinstance(e, Rollout) for e in entries):
+                self.replicas.liveness.finished(self.replicas.pulses[index])
+                return entries
+            elif await self.replicas.clients[index].health() is not False:
                 return entries
             else:
-                self.replicas.mark_down(
-                    index, f"a rollout failed ({_first_reason(entries)}) and /health did not answer"
-                )
+                self.replicas.mark_down(index, f"a rollout failed ({_first_reason(entries)}) and /health refused")
             if self.replicas.pick(tried) is not None:
                 self.replicas.rerouted += 1
         return entries or [RolloutFailure("no inference replica is up")]

@@ -6,8 +6,9 @@ primerl.orchestrator.inference_client), then advances `Policy` and calls `on_cha
 batch cut and wakes the dispatcher). Versions in between are skipped: a server only ever needs the newest.
 
 Health (primerl.orchestrator.replicas): every HEALTH_EVERY_S, after a group whose every rollout failed
-(`check_health()`), and after a failed load, each up replica is probed; one that does not answer is marked down and
-gets new rollouts no more. A replica marked down (here, or by the runner) is recovered in the background: wait for it
+(`check_health()`), and after a failed load, each up replica is probed; one that refuses (nothing listens, an error
+status), or has shown no sign of life for the replicas' liveness limit, is marked down and gets new rollouts no
+more. A replica marked down (here, or by the runner) is recovered in the background: wait for it
 with back-off, load the policy the others serve (with none up: the newest published), and mark it up. While no
 replica is up, admission stops (`serving` false). Invariant: every replica marked up serves `Policy.version`. A
 replica still down after `recovery_timeout_s` ends the run only when no other replica is up. Rollouts that failed
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from primerl.orchestrator.replicas import Replicas
+from primerl.orchestrator.replicas import HEALTH_EVERY_S, Replicas
 from primerl.orchestrator.types import Policy
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import latest_stable_version
@@ -30,7 +31,6 @@ from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
-HEALTH_EVERY_S = 5.0
 MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they refuse end the run
 
 
@@ -49,6 +49,7 @@ class Watcher:
         self._suspect = asyncio.Event()
         self._recovering: dict[int, asyncio.Task] = {}
         self._load_failures = 0
+        self._last_probe = time.monotonic()
 
     @property
     def serving(self) -> bool:
@@ -88,12 +89,21 @@ class Watcher:
                 task.cancel()
 
     async def probe(self) -> None:
-        """Mark down every up replica that does not answer /health."""
-        up = [i for i in range(len(self.replicas)) if self.replicas.up[i]]
-        answers = await asyncio.gather(*(self.replicas.clients[i].healthy() for i in up))
-        for index, healthy in zip(up, answers, strict=True):
-            if not healthy:
-                self.replicas.mark_down(index, "/health did not answer")
+        """Mark down every up replica that refuses /health or has been silent past the liveness limit."""
+        replicas = self.replicas
+        up = [i for i in range(len(replicas)) if replicas.up[i]]
+        answers = await asyncio.gather(*(replicas.clients[i].health() for i in up))
+        now = time.monotonic()
+        elapsed, self._last_probe = now - self._last_probe, now
+        for index, answer in zip(up, answers, strict=True):
+            pulse = replicas.pulses[index]
+            if answer:
+                pulse.answered()
+            elif answer is False:
+                replicas.mark_down(index, "/health refused")
+            elif replicas.liveness.observe(pulse, elapsed):
+                limit = replicas.liveness.limit(pulse)
+                replicas.mark_down(index, f"no /health answer and no rollout finished in {limit:.0f}s")
         self._start_recoveries()
 
     async def update(self) -> None:

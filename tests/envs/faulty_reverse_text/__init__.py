@@ -6,7 +6,8 @@ in reverse-text. The orchestrator must count those rollouts as failed and keep t
 With `process_faults=true` (for env worker processes, primerl.envs.workers) a task whose text hashes to 3 or 4 (mod
 32) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
 own loop either would take the whole run down, in a worker only that worker's rollouts. With `fault_dir` each of
-those two fires once per run (a marker file there says it has), so a run sees exactly one of each.
+those two, and the hang, fires once per run (a marker file there says it has), so a run sees exactly one of each
+whatever the speed of the machine; the other faulty tasks score as in reverse-text then.
 """
 
 import asyncio
@@ -36,7 +37,7 @@ class FaultyData(ReverseTextData):
 
 
 def fires(fault: str, fault_dir: str | None) -> bool:
-    """Whether a process fault fires now: always without `fault_dir`, else only the first time (its marker file)."""
+    """Whether a fault fires now: always without `fault_dir`, else only the first time (its marker file)."""
     if fault_dir is None:
         return True
     try:
@@ -52,7 +53,7 @@ class FaultyTask(vf.Task[FaultyData]):
         fault = fault_of(task.text, task.process_faults)
         if fault == "raise":
             raise RuntimeError(f"reward function failed on purpose for {task.text!r}")
-        if fault == "hang":
+        if fault == "hang" and fires(fault, task.fault_dir):
             await asyncio.sleep(3600)
         if fault == "nan":
             return float("nan")
