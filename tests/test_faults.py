@@ -114,7 +114,7 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
         # logged once both servers are ready (it may lag our health checks by its 1 s poll)
         deadline, served = time.monotonic() + 60, None
         while served is None and time.monotonic() < deadline:
-            served = re.search(r"serving (\S+) at", inference_log.read_text())
+            served = re.search(rf"serving (\S+) at http://127.0.0.1:{port}", inference_log.read_text())
             time.sleep(0.2)
         assert served, "the inference process did not log what it serves"
         model_path = served.group(1)
@@ -135,6 +135,11 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
             _publish(run, version, model_path)
         orchestrator.wait(timeout=600)
         assert inference.poll() is None  # it restarted the replica rather than exit
+        # `python -m primerl.inference` serves until SIGTERM, then exits 0 and leaves no vLLM process behind
+        inference.send_signal(signal.SIGTERM)
+        assert inference.wait(timeout=60) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
         for process in (orchestrator, inference):
             if process is not None and process.poll() is None:

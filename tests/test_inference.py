@@ -239,38 +239,6 @@ def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():
         check_supported(pd.inference, "cpu")
 
 
-def test_inference_module_serves_until_terminated(cache_dir, tmp_path):
-    """`python -m primerl.inference` as a process: ready on /health, and SIGTERM leaves no vLLM process behind."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import ROOT
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "primerl.inference", "+experiment=reverse_text", "sft.enabled=false",
-           f"inference.port={port}", f"hydra.run.dir={tmp_path}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        line = ""
-        while time.monotonic() < deadline and "serving" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "primerl.inference exited before serving"
-        assert f"at http://127.0.0.1:{port}" in line
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _prefix_hits(srv) -> float:
     text = httpx.get(f"{srv.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))

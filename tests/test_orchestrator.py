@@ -216,7 +216,8 @@ def test_sink_cuts_exact_batches_keeps_leftovers_and_drops_stale():
     sink.add(group(3, version=3))
     cut = sink.cut(step=3)  # the v1 leftover lags step 3 by 2 > 1: dropped, and reported with this batch
     assert cut.dropped == 1 and all(s.policy_version == 3 for s in cut.samples) and sink.buffered == 1
-    assert cut.examples and cut.examples[0]["policy_versions"] == [3, 3]
+    assert [e["task"] for e in cut.examples] == ["t2", "t3"]  # one per group: each task of the batch shows
+    assert all(e["policy_versions"] == [3, 3] and e["step"] == 3 for e in cut.examples)
 
 
 def test_dispatcher_respects_max_inflight_and_cancels_by_version():

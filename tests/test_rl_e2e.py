@@ -113,58 +113,39 @@ def _check_ledger(run, trainer_rows):
     assert (run / "reward.png").stat().st_size > 1000
 
 
-def test_synchronous_run_trains_on_the_current_policy(cache_dir, tmp_path):
-    run = tmp_path / "sync"
-    result = _train(run, "orchestrator.async_level=0", steps=2)
+def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
+    """Two envs by weight, from the experiment's command (its SFT left on: a mixture has no demonstrations); one of
+    them, guess-number (any installed verifiers env by id), is multi-turn."""
+    run = tmp_path / "mixture"
+    mixture = "mixture=[{id:reverse-text,weight:1},{id:guess-number,weight:1,args:{high:16}}]"
+    result = _train(run, mixture, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2,
+                    sft=True)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    orch = read_metrics(run, "orchestrator")
-    assert [r["policy_version"] for r in orch] == [0.0, 1.0]  # batch n comes from policy n
-    assert all(r["off_policy/max"] == 0 and r["off_policy/span_max"] == 0 for r in orch)
-
-
-def test_multi_turn_environment(cache_dir, tmp_path):
-    run = tmp_path / "guess"
-    # the README's command for any installed verifiers environment by id, SFT left on as the experiment has it:
-    # there are no demonstrations for this env, so RL starts from the base model, decided before anything starts
-    result = _train(run, "env=verifiers", "env.id=guess-number", "+env.args.high=16", "orchestrator.max_tokens=8",
-                    steps=1, sft=True)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "no SFT warm-start: no demonstrations for env.id=guess-number" in result.stderr
+    assert "no SFT warm-start: no demonstrations for a mixture" in result.stderr
     assert not (run / "sft").exists()
-    (row,) = read_metrics(run, "orchestrator")
-    # a multi-turn rollout yields a sample per branch; the env's @vf.metric reaches the metrics; with a single reward
-    # function there is no reward/<fn> repeating reward/mean
-    assert 1 <= row["rollouts/ok"] <= 16 and 1 <= row["metric/turns"] <= 5 and "reward/solved" not in row
-    assert read_rollout_batch(rollout_path(run, 0)).num_samples == 16
-    (trainer,) = read_metrics(run, "trainer")
-    assert trainer["mismatch_kl"] < 1e-4  # env turns are masked out; only sampled tokens count
-    # each sampled episode is a trace with a span per model call, timed by verifiers
+    rows = read_metrics(run, "orchestrator")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["env/reverse-text/samples"] + row["env/guess-number/samples"] == 16
+        assert read_rollout_batch(rollout_path(run, row["step"])).num_samples == 16
+    sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
+    assert all(s["task"].startswith(("reverse-text/", "guess-number/")) for s in sampled)
+    assert sum(r["env/guess-number/samples"] for r in rows) > 0 and sum(r["env/reverse-text/samples"] for r in rows) > 0
+    # a multi-turn rollout yields a sample per branch; the env's @vf.metric reaches the metrics
+    assert all(1 <= r["metric/turns"] <= 5 for r in rows if r["env/guess-number/samples"])
+    # env turns are masked out: only sampled tokens count, so the trainer's and vLLM's logprobs agree at step 0
+    assert read_metrics(run, "trainer")[0]["mismatch_kl"] < 1e-4
+    # each sampled episode (one per group: every batch shows both envs' groups) is a trace with a span per model
+    # call, timed by verifiers; guess-number's episodes have several
     from mlflow.tracking import MlflowClient
 
     record = json.loads((run / "ledger.json").read_text())
     traces = MlflowClient(record["tracking_uri"]).search_traces(locations=[record["experiment_id"]],
                                                                  run_id=record["run_id"])  # fmt: skip
-    sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
     replies = [m for s in sampled for m in s["messages"] if m["role"] == "assistant"]
     llm_spans = [s for t in traces for s in t.data.spans if s.span_type == "LLM"]
     assert len(traces) == len(sampled) and len(llm_spans) == len(replies) > len(sampled)
     assert all(s.start_time_ns < s.end_time_ns for s in llm_spans)
-
-
-def test_environment_mixture(cache_dir, tmp_path):
-    """Two envs by weight, from the experiment's command (its SFT left on: a mixture has no demonstrations)."""
-    run = tmp_path / "mixture"
-    mixture = "mixture=[{id:reverse-text,weight:1},{id:guess-number,weight:1,args:{high:16}}]"
-    result = _train(run, mixture, "orchestrator.max_tokens=8", "eval.every=0", steps=2, sft=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "no SFT warm-start: no demonstrations for a mixture" in result.stderr
-    rows = read_metrics(run, "orchestrator")
-    assert [r["step"] for r in rows] == [0, 1]
-    for row in rows:
-        assert row["env/reverse-text/samples"] + row["env/guess-number/samples"] == 16
-    sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
-    assert all(s["task"].startswith(("reverse-text/", "guess-number/")) for s in sampled)
-    assert sum(r["env/guess-number/samples"] for r in rows) > 0 and sum(r["env/reverse-text/samples"] for r in rows) > 0
     # bad input: one line naming the key, before any process starts
     for bad, key in (("mixture=[{id:reverse-text},{id:no-such-env}]", "mixture[1].id: no installed verifiers"),
                      ("mixture=[{id:reverse-text,weight:-1}]", "mixture[0].weight")):  # fmt: skip
@@ -264,10 +245,13 @@ def _loopback(address: str) -> bool:
     return address in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")  # ::1, ::ffff:127.0.0.1
 
 
-def test_ctrl_c_stops_the_whole_run_and_nothing_listens_beyond_loopback(cache_dir, tmp_path):
+def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_dir, tmp_path):
+    """async_level=0: batch n comes from policy n. Ctrl-C mid-run stops every process; nothing listened beyond
+    loopback; what was produced stays."""
     run = tmp_path / "interrupted"
     before = _listening()
-    with _run_until_trainer_step(run, 1, f"inference.port={free_port()}", "ledger.enabled=false") as train:
+    overrides = (f"inference.port={free_port()}", "ledger.enabled=false", "orchestrator.async_level=0")
+    with _run_until_trainer_step(run, 2, *overrides) as train:
         opened = _listening() - before  # vLLM and its engine, the interception server, the trainer
         assert opened and all(_loopback(address) for address, _ in opened), sorted(opened)
         train.send_signal(signal.SIGINT)
@@ -275,7 +259,10 @@ def test_ctrl_c_stops_the_whole_run_and_nothing_listens_beyond_loopback(cache_di
     assert train.returncode == 130, err[-3000:]
     assert "interrupted; all processes stopped" in err
     assert _pids_mentioning(str(run)) == []
-    assert rollout_path(run, 0).exists()  # what was produced stays
+    orch = read_metrics(run, "orchestrator")
+    assert [r["policy_version"] for r in orch[:2]] == [0.0, 1.0]  # batch n comes from policy n
+    assert all(r["off_policy/max"] == 0 and r["off_policy/span_max"] == 0 for r in orch)
+    assert rollout_path(run, 0).exists() and rollout_path(run, 1).exists()  # what was produced stays
 
 
 def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):

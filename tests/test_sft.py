@@ -196,3 +196,12 @@ def test_sft_from_a_chat_dataset(tmp_path):
         result = run_module("primerl.sft", *args, *bad)
         assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_env_without_demonstrations_starts_rl_from_the_base_model(caplog):
+    """The driver's decision before anything starts (`primerl.train` with `env.id=guess-number`, SFT on): no SFT, said
+    once. The mixture's case runs through the driver in tests/test_rl_e2e.py."""
+    from primerl.launch.supervise import sft_needed
+
+    assert not sft_needed(check(["+experiment=reverse_text", "env=verifiers", "env.id=guess-number"]))
+    assert "no SFT warm-start: no demonstrations for env.id=guess-number" in caplog.text

@@ -90,8 +90,17 @@ class Sink:
         # oldest policy first (stable): a sample that would be too stale for the next batch is used while it still may
         self.buffer.sort(key=lambda entry: entry.sample.policy_version)
         taken, self.buffer = self.buffer[:n], self.buffer[n:]
-        examples = [{"step": step, **t.example} for t in taken if t.example is not None][: self.examples_per_batch]
+        examples = self._examples(step, taken)
         rollouts = [t.rollout for t in taken if t.rollout is not None]
         cut = Cut(step, [t.sample for t in taken], self.pending_dropped, rollouts, examples)
         self.pending_dropped = 0
         return cut
+
+    def _examples(self, step: int, taken: list["_Buffered"]) -> list[dict]:
+        """A few rollouts of the batch for people: one per task (its group), in batch order, so a batch of several
+        groups or of a mixture's envs shows each rather than one group's rollouts of the same task."""
+        examples: dict[str, dict] = {}
+        for entry in taken:
+            if entry.example is not None and len(examples) < self.examples_per_batch:
+                examples.setdefault(entry.example["task"], {"step": step, **entry.example})
+        return list(examples.values())
