@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SLURM_CLUSTER = ROOT / "launchers" / "slurm" / "cluster.sh"
+SLURM_NODES = 3  # the cluster the SLURM tests share, where the machine has network namespaces
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +17,28 @@ def cache_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("primerl-cache")
     os.environ["PRIMERL_CACHE"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """One real SLURM cluster for every SLURM test of the session (`launchers/slurm/cluster.sh`; its start is the
+    slowest part of those tests): SLURM_NODES nodes, each slurmd in its own network namespace, where this machine
+    allows namespaces, else one node on 127.0.0.1. Yields the node count; stopped at the end if started here."""
+    namespaces = subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
+    nodes = SLURM_NODES if namespaces else 1
+    cluster_dir = f"/tmp/primerl-slurm-{nodes}"
+    env = {**os.environ, "PRIMERL_SLURM_NODES": str(nodes), "PRIMERL_SLURM_DIR": cluster_dir}
+    started = subprocess.run([str(SLURM_CLUSTER), "start"], capture_output=True, text=True, timeout=900, env=env)
+    assert started.returncode == 0, started.stderr
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = f"{cluster_dir}/etc/slurm.conf"
+    yield nodes
+    if before is None:
+        os.environ.pop("SLURM_CONF")
+    else:
+        os.environ["SLURM_CONF"] = before
+    if "already running" not in started.stderr:
+        subprocess.run([str(SLURM_CLUSTER), "stop"], capture_output=True, timeout=120, env=env)
 
 
 def run_module(module: str, *args: str, timeout: float = 600, env: dict | None = None,

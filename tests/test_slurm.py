@@ -1,10 +1,9 @@
-"""Runs through a real single-node SLURM cluster on 127.0.0.1 (`launchers/slurm/cluster.sh`: munge, MariaDB + slurmdbd,
-slurmctld, slurmd), started here if it is not up, and stopped again if it was started here. Preemption, a requeued
-server and a trainer on two nodes are in tests/test_slurm_multinode.py."""
+"""Runs through a real SLURM cluster on this machine (`launchers/slurm/cluster.sh`: munge, MariaDB + slurmdbd,
+slurmctld, slurmd; tests.conftest.slurm_cluster, shared with tests/test_slurm_multinode.py, which has preemption, a
+requeued server and a trainer on two nodes)."""
 
 import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,19 +17,12 @@ from tests.conftest import ROOT, run_module, sweep_children
 
 pytestmark = pytest.mark.slow
 
-CLUSTER = ROOT / "launchers" / "slurm" / "cluster.sh"
-
 
 @pytest.fixture(scope="module")
-def slurm():
-    started = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=900)
-    assert started.returncode == 0, started.stderr
-    conf = re.search(r"SLURM_CONF=(\S+)\)", started.stderr) or re.search(r"\((\S+slurm\.conf)\)", started.stderr)
-    assert conf, started.stderr
-    os.environ["SLURM_CONF"] = conf.group(1)
-    yield
-    if "already running" not in started.stderr:
-        subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120)
+def slurm(slurm_cluster) -> list[str]:
+    """The overrides a run needs on the session's cluster: with several nodes (each its own network namespace) the
+    orchestrator reaches inference on another node's address, which takes a key."""
+    return [] if slurm_cluster == 1 else ["inference.host=0.0.0.0", "inference.api_key=test-key"]
 
 
 def _slurm(*cmd: str) -> str:
@@ -91,7 +83,7 @@ def _wait(condition, timeout: float, what: str) -> None:
 
 def test_cancelled_job_stops_the_whole_run(slurm, cache_dir, tmp_path):
     run = tmp_path / "cancelled"
-    with _driver(run, steps=20) as (driver, out):
+    with _driver(run, *slurm, steps=20) as (driver, out):
         jobs = _job_ids(out)
         _wait(lambda: _slurm("squeue", "-h", "-j", jobs["orchestrator"], "-o", "%T").strip() == "RUNNING", 300,
               "the orchestrator job never ran")  # fmt: skip

@@ -1,41 +1,24 @@
 """A run across a real 3-node SLURM cluster on this machine (`PRIMERL_SLURM_NODES=3 launchers/slurm/cluster.sh`):
-each node's slurmd in its own network namespace with its own address on a bridge, the controller in another; started
-here if it is not up, and stopped again if it was started here."""
+each node's slurmd in its own network namespace with its own address on a bridge, the controller in another
+(tests.conftest.slurm_cluster, shared with tests/test_slurm.py)."""
 
 import json
-import os
 import re
-import subprocess
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from primerl.metrics import read_metrics
-from tests.test_slurm import CLUSTER, _driver, _job_ids, _slurm, _wait, _wait_for_states
+from tests.conftest import SLURM_NODES
+from tests.test_slurm import _driver, _job_ids, _slurm, _wait, _wait_for_states
 
 pytestmark = pytest.mark.slow
 
-NODES = 3
-CLUSTER_DIR = "/tmp/primerl-slurm-nodes"
-
 
 @pytest.fixture(scope="module")
-def slurm_nodes():
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:  # the cluster needs root and network namespaces
-        pytest.skip(f"no network namespaces here: {probe.stderr.strip()}")
-    env = {**os.environ, "PRIMERL_SLURM_NODES": str(NODES), "PRIMERL_SLURM_DIR": CLUSTER_DIR}
-    started = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=900, env=env)
-    assert started.returncode == 0, started.stderr
-    before = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = f"{CLUSTER_DIR}/etc/slurm.conf"
-    yield
-    if before is None:
-        os.environ.pop("SLURM_CONF")
-    else:
-        os.environ["SLURM_CONF"] = before
-    if "already running" not in started.stderr:
-        subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120, env=env)
+def slurm_nodes(slurm_cluster):
+    if slurm_cluster < SLURM_NODES:  # the cluster needs root and network namespaces
+        pytest.skip("no network namespaces here: the SLURM cluster has one node")
 
 
 def _node_of(job_id: str) -> str:
