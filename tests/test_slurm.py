@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT, run_module, sweep_children
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")

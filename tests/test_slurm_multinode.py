@@ -12,7 +12,7 @@ from primerl.metrics import read_metrics
 from tests.conftest import SLURM_NODES
 from tests.test_slurm import _driver, _job_ids, _slurm, _wait, _wait_for_states
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")

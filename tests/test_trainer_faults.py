@@ -1,6 +1,7 @@
 """The trainer process on bad input and a failing disk: non-finite steps are skipped then stop the run, a corrupt batch
 file is refused, a failed checkpoint write leaves nothing marked STABLE. Each ends with one line and exit 1."""
 
+import logging
 import math
 import resource
 import signal
@@ -52,7 +53,9 @@ def _one_line_error(result, fragment: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, tmp_path):
+def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, tmp_path, caplog):
+    from primerl.launch.supervise import _print_progress
+
     nan = math.nan
     _write_batches(cache_dir, tmp_path, [None, nan, None, nan, nan, nan])
     result = _trainer(_args(cache_dir, tmp_path, 6))
@@ -67,6 +70,10 @@ def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, 
         assert all(torch.equal(weights[v][k], weights[3][k]) for k in weights[3])
     assert all(torch.isfinite(t).all() for t in weights[3].values())
     assert latest_checkpoint(tmp_path) == 5 and not weights_path(tmp_path, 6).exists()
+    # the driver's progress lines over these rows: the skipped steps show nan, and nothing stops it
+    caplog.set_level(logging.INFO)
+    assert _print_progress(tmp_path, check(_args(cache_dir, tmp_path, 6)), 0) == 5
+    assert "step 2/6  reward nan  loss nan" in caplog.text and "step 3/6" in caplog.text
 
 
 def test_a_corrupt_batch_is_refused(cache_dir, tmp_path):

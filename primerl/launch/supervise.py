@@ -101,8 +101,13 @@ def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
     trainer_rows = read_metrics(run_dir, "trainer")
     for row in trainer_rows[shown:]:
         o = orch.get(row["step"], {})
-        reward = o.get("reward/mean")
-        log.info(f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {reward if reward is None else f'{reward:.3f}'}"
-              f"  loss {row['loss']:+.4f}  mismatch_kl {row['mismatch_kl']:.1e}  "
-              f"gen {o.get('time/generate_s', 0):.1f}s  train {row['time/step_s']:.1f}s")  # fmt: skip
+        log.info(f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get('reward/mean'), '.3f')}"
+                 f"  loss {_shown(row.get('loss'), '+.4f')}  mismatch_kl {_shown(row.get('mismatch_kl'), '.1e')}  "
+                 f"gen {_shown(o.get('time/generate_s'), '.1f')}s  train {_shown(row.get('time/step_s'), '.1f')}s")  # fmt: skip
     return len(trainer_rows)
+
+
+def _shown(value: float | None, spec: str) -> str:
+    """A metric in the progress line. A non-finite value is stored as null (primerl.metrics): a step whose update was
+    skipped for a NaN loss shows `nan` and the run goes on."""
+    return "nan" if value is None else format(value, spec)
