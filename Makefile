@@ -7,6 +7,10 @@ EXTRAS ?= cpu,dev
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 EXPERIMENT ?= reverse_text
+# pytest-xdist workers for the suite: most tests wait on processes of their own (vLLM, torchrun, SLURM), so two run
+# side by side on two cores; PYTEST_WORKERS=0 runs them one at a time
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: install train sft test test-fast test-long lint clean
 
@@ -27,12 +31,12 @@ train: install
 sft: install
 	$(PY) -m primerl.sft +experiment=$(EXPERIMENT)
 
-# the default suite (24 min on a clean clone here, 2026-12-04); `long` tests (several minutes each) run in CI after it, or with `make test-long`
+# the default suite; `long` tests (several minutes each) run in CI after it, or with `make test-long`
 test: install
-	$(PY) -m pytest -q -m "not long" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_PARALLEL) --durations=15 $(PYTEST_ARGS)
 
 test-long: install
-	$(PY) -m pytest -q -m long --durations=5 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m long $(PYTEST_PARALLEL) --durations=5 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not long" $(PYTEST_ARGS)
