@@ -48,6 +48,8 @@ def main(dict_cfg: DictConfig) -> None:
 
             load_conversations(cfg.sft.data)  # so does a bad dataset row
         resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
+        if cfg.launcher.name == "local":
+            refuse_taken_ports(cfg)
         if cfg.ledger.enabled:
             from primerl.ledger.mlflow_ledger import Ledger
 
@@ -93,6 +95,23 @@ def final_reward(cfg) -> float | None:
 
     rows = [r for r in read_metrics(cfg.output_dir, "orchestrator") if r.get("reward/mean") is not None]
     return rows[-1]["reward/mean"] if rows else None
+
+
+def refuse_taken_ports(cfg) -> None:
+    """A port the servers would listen on that something already listens on (another run started with the same
+    settings) is a config error now, not a vLLM that fails to bind after its start while the other run's server
+    answers in its place."""
+    from primerl.inference.config import served_ports
+    from primerl.utils.process import port_taken
+
+    inf = cfg.inference
+    if inf.port == 0 and not inf.pd.enabled:
+        return  # the launcher picks free ports
+    for port in served_ports(inf):
+        if port_taken(inf.host, port):
+            key = "inference.port" if not inf.pd.enabled else "inference.pd"
+            raise ConfigError(key, f"{inf.host}:{port} is already in use (another run's server?); choose a free "
+                                   "port, or inference.port=0 to pick one")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer
 from primerl.model.resolve import base_model_path
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
+from primerl.transport.identity import SERVER_ID_HEADER, server_identity
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import SERVED_MODEL_NAME
 from primerl.utils.process import free_port
@@ -173,7 +174,11 @@ UNUSED_ROUTES = ["/sleep", "/wake_up", "/is_sleeping", "/update_weights", "/init
 def test_every_route_but_health_needs_the_key(server):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        assert http.get("/health").status_code == 200  # probes need no key
+        health = http.get("/health")
+        assert health.status_code == 200  # probes need no key
+        # every answer names the run the server belongs to (primerl.transport.identity)
+        assert health.headers[SERVER_ID_HEADER] == server_identity(server.run_dir)
+        assert http.get("/no-such-route").headers[SERVER_ID_HEADER] == server_identity(server.run_dir)
         for method, path, body in ADMIN_ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
                 r = http.request(method, path, json=body, headers=headers)

@@ -66,6 +66,11 @@ def replica_ports(inf: InferenceConfig) -> list[int]:
     return [inf.port + i for i in range(inf.replicas)]
 
 
+def served_ports(inf: InferenceConfig) -> list[int]:
+    """Every port the inference servers listen on: the replicas', or the prefill and decode servers' with PD."""
+    return [inf.pd.prefill_port, inf.pd.decode_port] if inf.pd.enabled else replica_ports(inf)
+
+
 def replica_urls(inf: InferenceConfig) -> list[str]:
     """Base URLs of the inference replicas, in replica order."""
     return [f"http://{inf.host}:{port}" for port in replica_ports(inf)]

@@ -10,13 +10,16 @@ with a key those admin routes answered anyone who reached the port (seen on a re
    token-in/token-out routes, probes, and only the admin routes primerl itself calls;
 2. when the server has a key (`VLLM_API_KEY`, which vLLM reads too), answers 401 to every request but `/health`
    without `Authorization: Bearer <key>` (compared in constant time);
-3. lets `/collective_rpc` call only the methods of primerl's worker extension (`primerl_*`), 403 otherwise.
+3. lets `/collective_rpc` call only the methods of primerl's worker extension (`primerl_*`), 403 otherwise;
+4. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
 """
 
 import hashlib
 import json
 import os
 import secrets
+
+from primerl.transport.identity import SERVER_ID_ENV, SERVER_ID_HEADER
 
 API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
 OPEN_PATHS = frozenset({"/health"})  # load balancers and the launcher probe it without a key
@@ -72,6 +75,20 @@ class InferenceGuard:
         self.app = app
         key = os.environ.get(API_KEY_ENV) or None
         self.key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        identity = os.environ.get(SERVER_ID_ENV)
+        self.identity_header = (SERVER_ID_HEADER.encode(), identity.encode()) if identity else None
+
+    def marked(self, send):
+        """`send` with the server id added to the response's headers."""
+        if self.identity_header is None:
+            return send
+
+        async def marked_send(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.identity_header]}
+            await send(message)
+
+        return marked_send
 
     def authorized(self, scope) -> bool:
         if self.key_digest is None:
@@ -85,6 +102,7 @@ class InferenceGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        send = self.marked(send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if not route_allowed(path):
             return await reply(scope, send, 404, "Not Found")

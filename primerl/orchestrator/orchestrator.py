@@ -351,6 +351,7 @@ async def run_orchestrator(cfg: RunConfig) -> None:
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.replicas import Replicas
     from primerl.orchestrator.watcher import Watcher
+    from primerl.transport.identity import server_identity
 
     orch, inf = cfg.orchestrator, cfg.inference
     run_dir = Path(cfg.output_dir)
@@ -368,7 +369,9 @@ async def run_orchestrator(cfg: RunConfig) -> None:
         # SLURM: where the inference jobs said they serve (on several nodes with launcher.inference_jobs > 1)
         advertised = advertised_urls(run_dir, inf, jobs) or []
         urls = [url or default for url, default in itertools.zip_longest(advertised, replica_urls(inf))]
-        clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key)) for url in urls]
+        server_id = server_identity(run_dir)
+        clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key, server_id=server_id))
+                   for url in urls]  # fmt: skip
         replicas = Replicas(clients)
         pools: list[EnvWorkers] = []  # env worker pools (env.workers), each with a supervisor task
         runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas, pools)

@@ -26,6 +26,18 @@ def _bindable(host: str, port: int) -> bool:
         return True
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on `host:port` now. With SO_REUSEADDR, as servers bind: connections of a stopped
+    server still in TIME_WAIT do not count, since they do not keep a new server from binding."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
