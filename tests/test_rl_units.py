@@ -118,3 +118,22 @@ def test_memoized_default_factory_check_keeps_pydantic_semantics():
         after = Node.model_construct(size=5)
         assert (after.ids, after.doubled) == (before.ids, before.doubled) == ([], 10)
         assert after.ids is not Node.model_construct().ids  # still a fresh list per instance
+
+
+def test_published_versions_outlive_every_policy_a_replica_may_be_asked_to_load(tmp_path):
+    """Batch n is cut once policy n - async_level is served, and the trainer publishes v = n + 1 after training it: so
+    while v is the newest, the orchestrator may still serve v - 1 - async_level, the version a replica coming back is
+    told to load. Every async_level keeps it on disk (with a fixed 3 kept, async_level >= 2 lost it)."""
+    from primerl.transport.atomic import STABLE_MARKER
+    from primerl.transport.run_dir import weights_path
+    from primerl.transport.weights import drop_old_version, versions_to_keep
+
+    for async_level in range(6):
+        run, keep = tmp_path / f"a{async_level}", versions_to_keep(async_level)
+        for v in range(1, 20):
+            weights_path(run, v).mkdir(parents=True)
+            (weights_path(run, v) / STABLE_MARKER).touch()
+            drop_old_version(run, v, keep)
+            oldest_served = max(v - 1 - async_level, 1)
+            assert all(weights_path(run, u).exists() for u in range(oldest_served, v + 1)), (async_level, v)
+        assert not weights_path(run, 19 - keep).exists()  # and no more than that is kept

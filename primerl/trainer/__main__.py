@@ -14,7 +14,6 @@ replays the steps since the checkpoint before it (AsyncCheckpointer).
 """
 
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -45,12 +44,11 @@ from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.transport.atomic import is_stable
 from primerl.transport.batches import RolloutBatch, read_rollout_batch
 from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
+from primerl.transport.weights import drop_old_version, versions_to_keep
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 
 log = get_logger("trainer")
-
-KEEP_WEIGHT_VERSIONS = 3  # the orchestrator may still be loading the previous one
 
 
 def wait_for_batch(run_dir: Path, step: int, poll_s: float = 0.2) -> tuple[Path, float]:
@@ -72,14 +70,13 @@ def rank_micro_batches(micro: list[dict[str, torch.Tensor]], dp_rank: int, dp: i
     return mine
 
 
-def publish(model: torch.nn.Module, base: str, run_dir: Path, version: int, info: DistInfo) -> None:
-    """Collective: write policy `version` for the inference server and drop versions it can no longer need."""
+def publish(model: torch.nn.Module, base: str, run_dir: Path, version: int, info: DistInfo, keep: int) -> None:
+    """Collective: write policy `version` for the inference server and drop the version it can no longer need (the
+    newest `keep` stay: primerl.transport.weights.versions_to_keep)."""
     state = full_state_dict(model)
     if info.is_main:
         save_hf_checkpoint(state, base, weights_path(run_dir, version))
-        stale = weights_path(run_dir, version - KEEP_WEIGHT_VERSIONS)
-        if version - KEEP_WEIGHT_VERSIONS > 0 and stale.exists():
-            shutil.rmtree(stale, ignore_errors=True)
+        drop_old_version(run_dir, version, keep)
     dist.barrier()
 
 
@@ -150,6 +147,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     opt = cfg.trainer.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas))
     start = latest_checkpoint(run_dir) or 0
+    keep = versions_to_keep(cfg.orchestrator.async_level)
     # steps that already have a metrics row: a replayed step (checkpoint_every > 1) keeps its first row
     logged = {row["step"] for row in read_metrics(run_dir, "trainer")}
     if start:
@@ -157,7 +155,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         if info.is_main and start - 1 not in logged:  # the predecessor died between checkpoint and metrics
             append_metrics(run_dir, "trainer", start - 1, state["metrics"])
         if not is_stable(weights_path(run_dir, start)):  # killed between checkpoint and publish
-            publish(model, base, run_dir, start, info)
+            publish(model, base, run_dir, start, info, keep)
     if info.is_main:
         source = checkpoint_path(run_dir, start) if start else base
         log.info(f"starting at step {start} from {source} on {info.world_size} rank(s)")
@@ -194,7 +192,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
                 if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.trainer.max_steps:
                     checkpointer.save(model, optimizer, step + 1, metrics)
                 t2 = time.perf_counter()
-                publish(model, base, run_dir, step + 1, info)
+                publish(model, base, run_dir, step + 1, info, keep)
             metrics["time/checkpoint_s"] = t2 - t1
             metrics["time/publish_s"] = time.perf_counter() - t2
             metrics["time/save_s"] = time.perf_counter() - t1  # checkpoint + publish
