@@ -67,6 +67,8 @@ def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
     for row in orch:
         assert row["rollouts/ok"] > 0 and 0.0 <= row["reward/mean"] <= 1.0
         assert row["off_policy/max"] <= 1  # async_level=1
+        # one reward function: no reward/<fn> repeating reward/mean (the mixture's two envs have one each)
+        assert [key for key in row if key.startswith("reward/")] == ["reward/mean"]
     # step 0 trains on samples from the very policy it holds: trainer and vLLM logprobs must agree
     assert trainer[0]["mismatch_kl"] < 1e-4
     assert trainer[0]["masked_fraction"] == 0.0
@@ -128,6 +130,8 @@ def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
     for row in rows:
         assert row["env/reverse-text/samples"] + row["env/guess-number/samples"] == 16
         assert read_rollout_batch(rollout_path(run, row["step"])).num_samples == 16
+        if row["env/reverse-text/samples"] and row["env/guess-number/samples"]:  # each env's reward function
+            assert {"reward/lcs", "reward/solved"} <= set(row)
     sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
     assert all(s["task"].startswith(("reverse-text/", "guess-number/")) for s in sampled)
     assert sum(r["env/guess-number/samples"] for r in rows) > 0 and sum(r["env/reverse-text/samples"] for r in rows) > 0
