@@ -87,7 +87,7 @@ class EnvWorkers:
         config_data: dict,
         count: int,
         timeout_s: float,
-        grace_s: float = 0.0,
+        grace_s: float,
         startup_timeout_s: float = 300.0,
         task_type: type | None = None,
     ):
