@@ -185,7 +185,6 @@ class EnvWorkers:
             await self._stop(worker, reason)
             if was_live:
                 failed_starts = 0
-                self.liveness.lost(worker.pulse)
                 log.warning("env worker %d of %s lost after %d rollouts (%s); starting it again", index, self.name,
                             worker.served, reason)  # fmt: skip
             else:
@@ -230,7 +229,9 @@ class EnvWorkers:
                 now = time.monotonic()
                 elapsed, last = now - last, now
                 if not died.done() and self.liveness.observe(worker.pulse, elapsed):
-                    return f"no health answer or finished rollout in {self.liveness.limit(worker.pulse):.0f}s"
+                    limit = self.liveness.limit(worker.pulse)
+                    self.liveness.lost(worker.pulse)  # silent, not crashed: what the grace backs off for
+                    return f"no health answer or finished rollout in {limit:.0f}s"
             # the sentinel fires as the process's pipes close, which can be before it can be reaped
             await asyncio.to_thread(worker.process.join, 5)
             return _exit_reason(worker.process.exitcode)

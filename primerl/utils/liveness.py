@@ -72,7 +72,8 @@ class Liveness:
             self.fresh_losses = 0
 
     def lost(self, pulse: Pulse) -> None:
-        """The member was lost (for any reason). One lost before it finished any work backs the limit off."""
+        """The member was lost for its silence. One lost before it finished any work backs the grace off (a crash
+        says nothing of how long a new member needs, and is not counted)."""
         if pulse.finished:
             return
         before = self.backoff
