@@ -231,14 +231,41 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
         assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(steps)), name
 
 
-def _listening() -> set[tuple[str, int]]:
-    """(address, port) of every listening TCP socket on the machine, from /proc/net/tcp and tcp6."""
+def _descendants(pid: int) -> set[int]:
+    """`pid` and every process below it (from each process's parent in /proc/<pid>/stat)."""
+    parents = {}
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                parents[int(child)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, grew = {pid}, True
+    while grew:
+        below = {child for child, parent in parents.items() if parent in found} - found
+        found |= below
+        grew = bool(below)
+    return found
+
+
+def _listening(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket that one of `pids` holds, from /proc/net/tcp and tcp6 (other
+    tests' listeners, running beside this one, are not counted)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
     found = set()
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         for line in open(table).read().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A":  # LISTEN
-                address, port = local.split(":")
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, held by one of them
+                address, port = fields[1].split(":")
                 found.add((address.rjust(width, "0"), int(port, 16)))
     return found
 
@@ -253,10 +280,9 @@ def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_
     """async_level=0: batch n comes from policy n. Ctrl-C mid-run stops every process; nothing listened beyond
     loopback; what was produced stays."""
     run = tmp_path / "interrupted"
-    before = _listening()
     overrides = (f"inference.port={free_port()}", "ledger.enabled=false", "orchestrator.async_level=0")
     with _run_until_trainer_step(run, 2, *overrides) as train:
-        opened = _listening() - before  # vLLM and its engine, the interception server, the trainer
+        opened = _listening(_descendants(train.pid))  # vLLM and its engine, the interception server, the trainer
         assert opened and all(_loopback(address) for address, _ in opened), sorted(opened)
         train.send_signal(signal.SIGINT)
         _, err = train.communicate(timeout=120)
