@@ -84,16 +84,17 @@ def _wait_for(condition, what: str, orchestrator: subprocess.Popen, timeout_s: f
 
 # Two replicas, so that a dead one's rollouts are rerouted to the other (rollouts/rerouted).
 REPLICAS = 2
-TIMEOUT_S = 30  # the rollout timeout: only the one hung reward reaches it
+TIMEOUT_S = 30  # the rollout timeout: only hung rewards reach it
 
 
 def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_and_taken_back(cache_dir, tmp_path):
     """This test is the trainer (it publishes policies), so it decides when the run may finish. Rollouts run in 2 env
     workers. Every fault fires at a fixed point, not at a time: by task (the first rollout of task 30 of the stream
-    makes its worker exit, the first of task 37 blocks its loop until it is killed, one reward hangs past the rollout
-    timeout; once each) and by the run's own progress (vLLM is killed once batch 0 exists; v1 and v2 are published
-    only then, so batches 3 and 4 are cut while that replica restarts). No assertion depends on how fast the
-    machine is: a loaded one makes the supervisors wait longer (primerl.utils.liveness), not kill more."""
+    makes its worker exit and the first of task 37 blocks its loop until it is killed, once each; one task in 8 has a
+    reward that raises, one that hangs past the rollout timeout, one that returns NaN) and by the run's own progress
+    (vLLM is killed once batch 0 exists; v1 and v2 are published only then, so batches 3 and 4 are cut while that
+    replica restarts). No assertion depends on how fast the machine is: a loaded one makes the supervisors wait
+    longer (primerl.utils.liveness), not kill more."""
     run, port, steps, async_level = tmp_path / "faults", free_port(count=REPLICAS), 8, 2
     run.mkdir()
     args = ["+experiment=reverse_text", "sft.enabled=false", "env=verifiers", "env.id=faulty-reverse-text",
@@ -169,6 +170,6 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
     assert rows[-1]["env/worker_restarts"] >= 2
     # both initial workers and a replacement for each lost one came up
     workers = [int(pid) for pid in re.findall(r"env worker \d of faulty-reverse-text is up \(pid (\d+)", output)]
-    assert all((run / fault).exists() for fault in ("exit", "block", "hang"))  # each fault fired
+    assert (run / "exit").exists() and (run / "block").exists()  # each process fault fired
     assert len(workers) >= 4 and not any(Path(f"/proc/{pid}").exists() for pid in workers)  # none outlives the run
     assert all(_vllm_pids(port + replica) == [] for replica in range(REPLICAS))

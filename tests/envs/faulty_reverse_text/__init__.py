@@ -6,8 +6,9 @@ in reverse-text. The orchestrator must count those rollouts as failed and keep t
 With `process_faults=true` (for env worker processes, primerl.envs.workers) a task whose text hashes to 3 or 4 (mod
 32) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
 own loop either would take the whole run down, in a worker only that worker's rollouts. With `fault_dir` each of
-those two, and the hang, fires once per run (a marker file there says it has), so a run sees exactly one of each
-whatever the speed of the machine; the other faulty tasks score as in reverse-text then.
+those two fires once per run (a marker file there says it has), so a run sees exactly one of each whatever the speed
+of the machine; the other such tasks score as in reverse-text then. The reward faults fire on every task they hit: a
+hung reward fails only its own rollout, at the rollout timeout, unless its worker is lost first.
 """
 
 import asyncio
@@ -53,7 +54,7 @@ class FaultyTask(vf.Task[FaultyData]):
         fault = fault_of(task.text, task.process_faults)
         if fault == "raise":
             raise RuntimeError(f"reward function failed on purpose for {task.text!r}")
-        if fault == "hang" and fires(fault, task.fault_dir):
+        if fault == "hang":
             await asyncio.sleep(3600)
         if fault == "nan":
             return float("nan")
