@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.errors import ConfigError
+from primerl.config.schema import RunConfig
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
 from primerl.launch.process import ChildFailed
 from primerl.launch.supervise import run_topology
@@ -97,11 +98,12 @@ def final_reward(cfg) -> float | None:
     return rows[-1]["reward/mean"] if rows else None
 
 
-def refuse_taken_ports(cfg) -> None:
+def refuse_taken_ports(cfg: RunConfig) -> None:
     """A port the servers would listen on that something already listens on (another run started with the same
     settings) is a config error now, not a vLLM that fails to bind after its start while the other run's server
     answers in its place."""
     from primerl.inference.config import served_ports
+    from primerl.inference.server import port_in_use
     from primerl.utils.process import port_taken
 
     inf = cfg.inference
@@ -109,9 +111,7 @@ def refuse_taken_ports(cfg) -> None:
         return  # the launcher picks free ports
     for port in served_ports(inf):
         if port_taken(inf.host, port):
-            key = "inference.port" if not inf.pd.enabled else "inference.pd"
-            raise ConfigError(key, f"{inf.host}:{port} is already in use (another run's server?); choose a free "
-                                   "port, or inference.port=0 to pick one")  # fmt: skip
+            raise ConfigError("inference.pd" if inf.pd.enabled else "inference.port", port_in_use(inf.host, port))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,13 @@ class InferenceStartError(RuntimeError):
     pass
 
 
+def port_in_use(host: str, port: int) -> str:
+    """What a server's port that something already listens on is told as (primerl.train checks before it starts)."""
+    return (
+        f"{host}:{port} is already in use (another run's server?); choose a free port, or inference.port=0 to pick one"
+    )
+
+
 def resolve_device(inf: InferenceConfig) -> str:
     if inf.device != "auto":
         return inf.device
@@ -161,8 +168,7 @@ class VllmServer:
         that something already listens on is refused at once: vLLM would fail to bind only after its ~40 s start,
         while whatever holds the port answered the readiness checks."""
         if port_taken(self.spec.host, self.spec.port):
-            raise InferenceStartError(f"{self.spec.host}:{self.spec.port} is already in use (another run's server?): "
-                                      "set inference.port to a free port, or 0 to pick one")  # fmt: skip
+            raise InferenceStartError(port_in_use(self.spec.host, self.spec.port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
