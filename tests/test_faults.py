@@ -92,9 +92,9 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
     workers. Every fault fires at a fixed point, not at a time: by task (the first rollout of task 30 of the stream
     makes its worker exit and the first of task 37 blocks its loop until it is killed, once each; one task in 8 has a
     reward that raises, one that hangs past the rollout timeout, one that returns NaN) and by the run's own progress
-    (vLLM is killed once batch 0 exists; v1 and v2 are published only then, so batches 3 and 4 are cut while that
-    replica restarts). No assertion depends on how fast the machine is: a loaded one makes the supervisors wait
-    longer (primerl.utils.liveness), not kill more."""
+    (vLLM is killed once batch 0 exists; v1 and v2 are published only then, so the restarted replica must be given
+    v2). No assertion depends on how fast the machine is: a loaded one makes the supervisors wait longer
+    (primerl.utils.liveness), not kill more."""
     run, port, steps, async_level = tmp_path / "faults", free_port(count=REPLICAS), 8, 2
     run.mkdir()
     args = ["+experiment=reverse_text", "sft.enabled=false", "env=verifiers", "env.id=faulty-reverse-text",
@@ -128,7 +128,7 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
         for pid in _vllm_pids(port):
             if os.getpgid(pid) == pid:  # the server's process group leader: the whole server goes at once
                 os.killpg(pid, signal.SIGKILL)
-        for version in (1, 2):  # batches up to 4 may be cut now, on the replica that is up
+        for version in (1, 2):  # batches up to 4 may be cut now
             _publish(run, version, model_path)
         # the inference process starts it again; the orchestrator loads v2, the current policy, into it
         _wait_for(lambda: _served_version(port) == 2, "the restarted replica to serve v2", orchestrator)
@@ -156,8 +156,11 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
     assert all(rollout_path(run, s).exists() for s in range(steps))
     if REPLICAS > 1:
         assert sum(r["rollouts/rerouted"] for r in rows) > 0  # in-flight rollouts of the dead replica ran again
-        assert min(r["inference/replicas_up"] for r in rows) == REPLICAS - 1
-    assert rows[-1]["inference/replicas_up"] == REPLICAS
+    # whether a batch is cut while the replica is down depends on speed (its restart against the env workers'):
+    # that it went down and came back is asserted from the log above
+    assert (
+        all(1 <= r["inference/replicas_up"] <= REPLICAS for r in rows) and rows[-1]["inference/replicas_up"] == REPLICAS
+    )
     assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
     for reason in (
         "failed on purpose",
