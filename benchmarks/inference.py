@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 import aiohttp
+from reverse_text.texts import make_texts, prompt_messages
 
 from primerl.config.cli import check
-from primerl.envs.reverse_text import make_texts, prompt_messages
-from primerl.envs.verifiers_env import Rollout, env_runner, load_env
+from primerl.envs.types import Rollout
+from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer, render_specs
 from primerl.model.resolve import base_model_path
 from primerl.model.start import initial_model_path

@@ -14,9 +14,9 @@ import argparse
 import time
 
 import torch
+from reverse_text.texts import make_texts, prompt_messages
 from transformers import AutoModelForCausalLM
 
-from primerl.envs.reverse_text import make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.data import chat_example

@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from primerl.envs.reverse_text import make_texts, prompt_messages
+from reverse_text.texts import make_texts, prompt_messages
+
 from primerl.metrics import read_metrics
 from primerl.model.tiny import build_tokenizer
 from primerl.orchestrator.batch import build_batch
@@ -49,7 +50,12 @@ def main() -> None:
         for model, layout, nproc in LAYOUTS:
             run = Path(root) / f"{model}-{layout}-{nproc}"
             for step in range(args.steps):
-                write_rollout_batch(run, build_batch(samples, step, seq_len=512, micro_batch_size=1, pad_id=0))
+                write_rollout_batch(
+                    run,
+                    build_batch(
+                        samples, step, seq_len=512, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1
+                    ),
+                )
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    "-m", "primerl.trainer", "+experiment=reverse_text", "sft.enabled=false", f"model={model}",
                    f"parallelism={layout}", f"trainer.max_steps={args.steps}", f"output_dir={run}",

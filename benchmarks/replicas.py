@@ -22,7 +22,8 @@ from pathlib import Path
 
 from benchmarks.inference import arch_overrides
 from primerl.config.cli import check
-from primerl.envs.verifiers_env import Rollout, env_runner, load_env
+from primerl.envs.types import Rollout
+from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer, render_specs
 from primerl.model.start import initial_model_path
 from primerl.orchestrator.inference_client import InferenceClient

@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # primerl's task definitions only (pure Python)
+# the reverse-text task definitions only (pure Python, no verifiers): the module itself, not its env package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments" / "reverse_text"))
 
 from datasets import Dataset  # noqa: E402
+from texts import lcs_ratio, make_texts, prompt_messages, stream_seed  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages, stream_seed  # noqa: E402
 
 
 def lcs_reward(completions, text, **_) -> list[float]:

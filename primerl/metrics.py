@@ -48,9 +48,23 @@ class OrchestratorMetric:
 class TrainerMetric:
     """Keys of a row of metrics/trainer.jsonl: one row per trained step."""
 
-    LOSS = "loss"
-    MISMATCH_KL = "mismatch_kl"
-    STEP_S = "time/step_s"
+    LOSS = "loss"  # the batch's policy loss (primerl.trainer.loss), summed over ranks
+    MISMATCH_KL = "mismatch_kl"  # mean over sampled tokens of the k3 estimate of KL(inference policy || trainer's)
+    MASKED_FRACTION = "masked_fraction"  # sampled tokens outside the trust region (no loss)
+    ENTROPY = "entropy"  # of the trainer's policy, mean over sampled positions
+    GRAD_NORM = "grad_norm"  # global, before clipping
+    UPDATE_SKIPPED = "update_skipped"  # 1: the loss or gradient norm was not finite and the weights stayed as they were
+    MIN_POLICY_VERSION = "batch/min_policy_version"  # oldest policy that generated any of the batch's tokens
+    STEP_S = "time/step_s"  # read the batch + forward + backward + optimizer
+    FORWARD_S = "time/forward_s"
+    BACKWARD_S = "time/backward_s"
+    OPTIMIZER_S = "time/optimizer_s"  # clip, all-reduce and the AdamW step
+    WAIT_BATCH_S = "time/wait_batch_s"  # waiting for the orchestrator's batch file
+    READ_BATCH_S = "time/read_batch_s"
+    CHECKPOINT_S = "time/checkpoint_s"  # on the training thread (with trainer.checkpoint_async: the in-memory copy)
+    PUBLISH_S = "time/publish_s"  # writing the policy's weights for the inference servers
+    SAVE_S = "time/save_s"  # checkpoint + publish
+    TOKENS_PER_S = "throughput/tokens_per_s"  # the batch's tokens (padding included) / STEP_S
 
 
 def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:

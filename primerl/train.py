@@ -13,11 +13,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
 from primerl.launch.process import ChildFailed
 from primerl.launch.supervise import run_topology
+from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 
 log = get_logger("train")
@@ -37,6 +37,7 @@ def main(dict_cfg: DictConfig) -> None:
             clear_leftovers(run_dir)  # what a driver killed -9 left: processes, temporaries
         from primerl.config.validate import resolve_dp_shard
         from primerl.envs.verifiers_env import load_env
+        from primerl.model.start import sft_applies
 
         load_env(cfg.env)  # an unknown env id or bad env args fail here, before any process starts
         for i, entry in enumerate(cfg.mixture):
@@ -44,10 +45,10 @@ def main(dict_cfg: DictConfig) -> None:
                 load_env(entry)
             except ConfigError as err:
                 raise ConfigError(f"mixture[{i}].{err.key.removeprefix('env.')}", err.message) from None
-        if cfg.sft.enabled and cfg.sft.data:
-            from primerl.sft.data import load_conversations
+        if sft_applies(cfg):
+            from primerl.sft.source import check_demonstrations
 
-            load_conversations(cfg.sft.data)  # so does a bad dataset row
+            check_demonstrations(cfg)  # so do a bad dataset row and options the env's generator refuses
         resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
         if cfg.launcher.name == "local":
             refuse_taken_ports(cfg)

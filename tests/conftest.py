@@ -71,9 +71,9 @@ def sweep_children(store: Path, sweep: Path, lrs: list[str]) -> list:
 def model_samples(model_dir: str, n: int = 24, advantage=None) -> list:
     """RL samples whose inference logprobs are the model's own (ratio 1), with mixed-sign advantages (or `advantage`)."""
     import torch
+    from reverse_text.texts import make_texts, prompt_messages
     from transformers import AutoModelForCausalLM
 
-    from primerl.envs.reverse_text import make_texts, prompt_messages
     from primerl.model.tiny import build_tokenizer
     from primerl.sft.data import chat_example
     from primerl.trainer.loss import token_logprobs

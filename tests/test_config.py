@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from primerl.config.cli import CONF_DIR, check, format_config_error
-from primerl.config.errors import ConfigError
 from primerl.config.validate import resolve_dp_shard
+from primerl.utils.errors import ConfigError
 from tests.conftest import run_module
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -61,7 +61,7 @@ def test_every_group_option_composes(group, option):
             "511 is not divisible by parallelism.cp=2",
         ),
         (["sft.seq_len=4096"], "sft.seq_len", "exceeds model.arch.max_position_embeddings"),
-        (["sft.uppercase_fraction=1.0"], "sft.uppercase_fraction", "must be < 1, got 1.0"),
+        (["sft.min_lr_ratio=1.5"], "sft.min_lr_ratio", "must be <= 1, got 1.5"),
         (["launcher.name=k8s"], "launcher.name", "is not one of [local, slurm]"),
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),
@@ -170,8 +170,8 @@ def _out_of_range(kind, limits: dict) -> str:
 
 
 def _schema_cases():
-    from primerl.config.bounds import bounds_of
     from primerl.config.schema import RunConfig
+    from primerl.utils.bounds import bounds_of
 
     for key, kind, field in _fields(RunConfig):
         if kind is None:

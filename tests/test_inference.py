@@ -15,7 +15,6 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
-from primerl.config.errors import ConfigError
 from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer, check_supported, render_specs
 from primerl.model.resolve import base_model_path
 from primerl.orchestrator.inference_client import InferenceClient
@@ -23,6 +22,7 @@ from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.identity import SERVER_ID_HEADER, server_identity
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import SERVED_MODEL_NAME
+from primerl.utils.errors import ConfigError
 from primerl.utils.process import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
@@ -296,7 +296,8 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
     import itertools
     import sys
 
-    from primerl.envs.verifiers_env import Rollout, RolloutFailure, env_config, load_env, model_context
+    from primerl.envs.types import Rollout, RolloutFailure
+    from primerl.envs.verifiers_env import env_config, load_env, model_context
     from primerl.envs.workers import EnvWorkers
 
     envs_dir = str(Path(__file__).parent / "envs")

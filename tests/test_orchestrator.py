@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from primerl.envs.verifiers_env import Rollout, RolloutFailure, ScoredBranch
+from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.metrics import ORCHESTRATOR, read_metrics
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.dispatcher import Dispatcher
-from primerl.orchestrator.orchestrator import Orchestrator
+from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.sink import Sink
 from primerl.orchestrator.source import TaskSource
+from primerl.orchestrator.stats import CutMeter
 from primerl.orchestrator.types import FinishedGroup, FinishedRollout, Policy
 from primerl.orchestrator.writer import BatchWriter
 from primerl.transport.batches import read_rollout_batch
@@ -73,7 +74,7 @@ class RecordingWriter(BatchWriter):
     """The real writer (files in the run directory), remembering the samples of each batch."""
 
     def __init__(self, run_dir):
-        super().__init__(run_dir, seq_len=64, micro_batch_size=4, pad_id=0)
+        super().__init__(run_dir, seq_len=64, micro_batch_size=4, pad_id=0, temperature=1.0, async_level=1)
         self.samples = {}
 
     def write(self, step, samples, metrics, data_position, examples):
@@ -339,7 +340,9 @@ def test_a_mixture_draws_by_weight_resumes_the_same_stream_and_logs_per_env(tmp_
     cfg = OrchestratorConfig(batch_size=8, group_size=4, max_inflight=16)
     writer = RecordingWriter(tmp_path)
     tasks = mixed_tasks(streams(), {"a": 0.5, "b": 0.5}, seed=1)
-    orchestrator = Orchestrator(cfg, 6, TaskSource(tasks), MixtureRunner(runners), writer, policy, env_names=["a", "b"])
+    orchestrator = Orchestrator(
+        cfg, 6, TaskSource(tasks), MixtureRunner(runners), writer, policy, meter=CutMeter(env_names=["a", "b"])
+    )
 
     async def main():
         trainer = asyncio.create_task(fake_trainer(orchestrator, tmp_path, policy, 0.01))

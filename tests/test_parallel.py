@@ -25,10 +25,10 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
             f"model={model}"]  # fmt: skip
     cfg = check([*args, f"output_dir={tmp_path}"])
     samples = model_samples(base_model_path(cfg))
-    batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0)
+    batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1)
     while len(batch.micro_batches) % 2 == 0:  # make the count odd
         samples = samples[:-1]
-        batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0)
+        batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1)
     assert len(batch.micro_batches) % 2 == 1  # with fsdp2, rank 1 also runs a loss-free padding pass
     # with fsdp2_cp, documents cross the split point of a row
     assert any(mb["position_ids"][0, 64] != 0 for mb in batch.micro_batches)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from primerl.envs.verifiers_env import Rollout, RolloutFailure, ScoredBranch
+from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
 from primerl.orchestrator.watcher import Watcher
@@ -291,11 +291,11 @@ def test_weights_a_live_replica_keeps_refusing_end_the_run(tmp_path):
 
 
 def test_replica_config_ports_and_errors():
-    from primerl.config.errors import ConfigError
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
     from primerl.inference.config import replica_urls
     from primerl.inference.server import render_specs, replica_cores
+    from primerl.utils.errors import ConfigError
     from primerl.utils.process import free_port
 
     cfg = RunConfig()
@@ -325,11 +325,11 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     import json
 
     from primerl.config.cli import check
-    from primerl.config.errors import ConfigError
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
-    from primerl.inference.config import advertised_urls
     from primerl.launch.slurm import ModuleJob
+    from primerl.transport.address import advertised_urls
+    from primerl.utils.errors import ConfigError
 
     cfg = RunConfig()
     cfg.inference.replicas, cfg.launcher.inference_jobs = 3, 2

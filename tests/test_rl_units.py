@@ -1,9 +1,12 @@
 """Advantages, RL batch packing, the loss against a hand computation, the batch wire format."""
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.batch import build_batch
@@ -11,6 +14,7 @@ from primerl.trainer.config import LossConfig
 from primerl.trainer.loss import policy_loss
 from primerl.transport.batches import RolloutBatch, Sample, read_rollout_batch, write_rollout_batch
 from primerl.transport.run_dir import rollout_path
+from primerl.utils.errors import RunError
 
 
 def _sample(n_prompt: int, n_completion: int, adv: float, version: int = 0, start: int = 1) -> Sample:
@@ -30,7 +34,7 @@ def test_group_advantages_are_centered():
 
 def test_build_batch_packing_invariants():
     samples = [_sample(5, 3, 0.5, start=10 * i) for i in range(7)]
-    batch = build_batch(samples, step=3, seq_len=20, micro_batch_size=2, pad_id=0)
+    batch = build_batch(samples, step=3, seq_len=20, micro_batch_size=2, pad_id=0, temperature=1.0, async_level=1)
     assert batch.step == 3 and batch.num_samples == 7
     rows = torch.cat([mb["input_ids"] for mb in batch.micro_batches])
     assert rows.shape[1] == 20 and rows.shape[0] == 4  # 7 sequences of 8 tokens: 2 per row
@@ -43,7 +47,7 @@ def test_build_batch_packing_invariants():
     pos = torch.cat([mb["position_ids"] for mb in batch.micro_batches])
     assert int((pos == 0).sum()) >= 7  # each sequence restarts its positions
     with pytest.raises(ValueError, match="no samples"):
-        build_batch([], step=0, seq_len=20, micro_batch_size=2, pad_id=0)
+        build_batch([], step=0, seq_len=20, micro_batch_size=2, pad_id=0, temperature=1.0, async_level=1)
 
 
 def test_loss_matches_hand_computation():
@@ -88,7 +92,16 @@ def test_zero_advantage_gives_zero_gradient():
 
 def test_rollout_batch_round_trip(tmp_path):
     samples = [_sample(4, 4, 0.25 * i, version=2, start=i) for i in range(5)]
-    batch = build_batch(samples, step=7, seq_len=16, micro_batch_size=1, pad_id=0, metrics={"reward/mean": 0.4})
+    batch = build_batch(
+        samples,
+        step=7,
+        seq_len=16,
+        micro_batch_size=1,
+        pad_id=0,
+        temperature=0.7,
+        async_level=3,
+        metrics={"reward/mean": 0.4},
+    )
     path = write_rollout_batch(tmp_path, batch)
     assert path == rollout_path(tmp_path, 7)
     assert not list(path.parent.glob(".step-*"))  # no temporary left behind
@@ -96,9 +109,17 @@ def test_rollout_batch_round_trip(tmp_path):
     assert isinstance(back, RolloutBatch)
     assert (back.step, back.num_samples, back.num_loss_tokens, back.min_policy_version) == (7, 5, 20, 2)
     assert back.metrics == {"reward/mean": 0.4}
+    assert (back.temperature, back.async_level) == (0.7, 3)  # what the trainer's loss must match travels with it
     for a, b in zip(batch.micro_batches, back.micro_batches, strict=True):
         for key in a:
             assert torch.equal(a[key], b[key])
+    # a batch that does not say how it was sampled is refused, not trained at a guessed temperature
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = json.loads(f.metadata()["primerl"]), {name: f.get_tensor(name) for name in f.keys()}
+    del meta["temperature"]
+    save_file(tensors, path, metadata={"primerl": json.dumps(meta)})
+    with pytest.raises(RunError, match=r"records no temperature \(written by an older primerl\)"):
+        read_rollout_batch(path)
 
 
 def test_memoized_default_factory_check_keeps_pydantic_semantics():

@@ -4,16 +4,16 @@ import json
 
 import pytest
 import torch
+from reverse_text.texts import demonstration_answers, lcs_ratio, make_texts, prompt_messages
 from transformers import AutoModelForCausalLM
 
 from primerl.config.cli import check
-from primerl.config.errors import ConfigError
-from primerl.envs.reverse_text import lcs_ratio, make_texts, prompt_messages
 from primerl.model.config import TinyArchConfig
-from primerl.model.start import GENERATED_DEMONSTRATIONS, data_digest, sft_checkpoint_dir
+from primerl.model.start import data_digest, sft_checkpoint_dir
 from primerl.model.tiny import build_tiny_model, build_tokenizer
-from primerl.sft.__main__ import STOP_WINDOW, demonstrations, packed_loss_sum, stop_reached
-from primerl.sft.data import IGNORE, chat_example, conversation_example, load_conversations, pack
+from primerl.sft.__main__ import STOP_WINDOW, assistant_loss_sum, stop_reached
+from primerl.sft.data import IGNORE, PackedBatch, chat_example, conversation_example, load_conversations, pack
+from primerl.utils.errors import ConfigError
 from tests.conftest import run_module
 
 
@@ -89,13 +89,19 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
 
 
 def test_sft_cache_key_follows_the_generator_version(monkeypatch):
-    """A changed demonstration generator (its version bumped) trains a new warm-start instead of reusing the old."""
-    for experiment, env_id in (("code_lookup", "code-lookup"), ("reverse_text", "reverse-text")):
+    """A changed demonstration generator (its package's DEMONSTRATIONS_VERSION bumped) trains a new warm-start instead
+    of reusing the old; so do other generator options."""
+    import code_lookup
+    import reverse_text
+
+    for experiment, package in (("code_lookup", code_lookup), ("reverse_text", reverse_text)):
         cfg = check([f"+experiment={experiment}"])
         before = sft_checkpoint_dir(cfg)
         assert sft_checkpoint_dir(check([f"+experiment={experiment}"])) == before  # stable
-        monkeypatch.setitem(GENERATED_DEMONSTRATIONS, env_id, GENERATED_DEMONSTRATIONS[env_id] + 1)
+        monkeypatch.setattr(package, "DEMONSTRATIONS_VERSION", package.DEMONSTRATIONS_VERSION + 1)
         assert sft_checkpoint_dir(cfg) != before
+    cfg = check(["+experiment=reverse_text", "sft.demonstration_args.uppercase_fraction=0.25"])
+    assert sft_checkpoint_dir(cfg) != sft_checkpoint_dir(check(["+experiment=reverse_text"]))
 
 
 def test_pack_invariants():
@@ -118,20 +124,25 @@ def test_pack_invariants():
 def test_packed_loss_equals_per_sample_loss(cache_dir):
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(str(cache_dir), TinyArchConfig(), 0))
     tok, examples = _examples(6)
-    packed = packed_loss_sum(model, pack(examples, 256, tok.pad_token_id))
-    separate = sum(packed_loss_sum(model, pack([ex], len(ex.input_ids), tok.pad_token_id)) for ex in examples)
+
+    def loss_sum(batch: PackedBatch) -> torch.Tensor:
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        return assistant_loss_sum(logits, batch.labels)
+
+    packed = loss_sum(pack(examples, 256, tok.pad_token_id))
+    separate = sum(loss_sum(pack([ex], len(ex.input_ids), tok.pad_token_id)) for ex in examples)
     assert packed.item() == pytest.approx(separate.item(), rel=1e-4)
 
 
 def test_sloppy_demonstrations_are_reversals_some_in_capitals():
     texts = make_texts(0, 2000)
-    clean = demonstrations(texts, 0.0, seed=0)
+    clean = demonstration_answers(texts, 0.0, seed=0)
     assert clean == [t[::-1] for t in texts]
-    sloppy = demonstrations(texts, 0.5, seed=0)
+    sloppy = demonstration_answers(texts, 0.5, seed=0)
     capitals = [a for a in sloppy if a.isupper()]
     assert all(a.lower() == t[::-1] for a, t in zip(sloppy, texts))
     assert 900 < len(capitals) < 1100  # seeded, so the same answers every run
-    assert sloppy == demonstrations(texts, 0.5, seed=0) != demonstrations(texts, 0.5, seed=1)
+    assert sloppy == demonstration_answers(texts, 0.5, seed=0) != demonstration_answers(texts, 0.5, seed=1)
     assert lcs_ratio(capitals[0], capitals[0].lower()[::-1]) == 0.0  # the reward is case-sensitive
 
 
@@ -196,6 +207,12 @@ def test_sft_from_a_chat_dataset(tmp_path):
         result = run_module("primerl.sft", *args, *bad)
         assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1
+    # options the env's own generator refuses (primerl.envs.demonstrations)
+    result = run_module("primerl.sft", "+experiment=reverse_text", "sft.demonstration_args.uppercase_fraction=1.0",
+                        f"hydra.run.dir={tmp_path}/out", "ledger.enabled=false")  # fmt: skip
+    why = "sft.demonstration_args: reverse-text: uppercase_fraction must be >= 0 and < 1, got 1.0"
+    assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_an_env_without_demonstrations_starts_rl_from_the_base_model(caplog):

@@ -100,10 +100,10 @@ def test_hermes_renderer_parses_calls_and_keeps_malformed_ones_visible():
 def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_path):
     import code_lookup
 
-    from primerl.config.errors import ConfigError
     from primerl.sft.data import conversation_example, load_conversations
+    from primerl.utils.errors import ConfigError
 
-    rows = code_lookup.demonstrations(2, seed=0)
+    rows = code_lookup.demonstrations(2, seed=0, env_args={})
     assert any(m.get("role") == "tool" for m in rows[0]["messages"] + rows[1]["messages"])  # some call the tool
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -127,7 +127,7 @@ def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_pa
 
 
 def test_bad_harness_or_env_args_name_their_key():
-    from primerl.config.errors import ConfigError
+    from primerl.utils.errors import ConfigError
 
     for cfg, key in [(EnvConfig(id="code-lookup", harness_args={"max_turnz": 3}), "env.harness_args"),
                      (EnvConfig(id="code-lookup", args={"seedz": 1}), "env.args")]:  # fmt: skip

@@ -34,7 +34,9 @@ def _write_batches(cache_dir, run, advantages: list[float | None]) -> None:
     model = base_model_path(check(_args(cache_dir, run, len(advantages))))
     for step, advantage in enumerate(advantages):
         samples = model_samples(model, n=8, advantage=advantage)
-        write_rollout_batch(run, build_batch(samples, step, seq_len=128, micro_batch_size=4, pad_id=0))
+        write_rollout_batch(
+            run, build_batch(samples, step, seq_len=128, micro_batch_size=4, pad_id=0, temperature=1.0, async_level=1)
+        )
 
 
 def _trainer(args: list[str], file_size_limit: int | None = None) -> subprocess.CompletedProcess:

@@ -25,6 +25,9 @@ TEACHER_SKIPS, TEACHER_TYPOS, TEACHER_GUESS = 0.3, 0.2, "000"
 # Each demonstration asks this many words in turn: three calls per ~200-token tools block instead of one, so more of
 # each SFT step's tokens are copies (experiments/code_lookup).
 DEMO_QUESTIONS = 3
+DEMONSTRATIONS_VERSION = (
+    2  # part of the SFT cache key (primerl.envs.demonstrations): bump when `demonstrations` changes
+)
 
 
 class CodeLookupData(vf.TaskData):
@@ -94,11 +97,11 @@ def tool_schemas(toolset: vf.Toolset) -> list[dict]:
                                               "parameters": t.input_schema}} for t in tools]  # fmt: skip
 
 
-def demonstrations(count: int, seed: int, **args) -> list[dict]:
-    """`count` SFT conversations ({"messages", "tools"}) from the imperfect teacher, each asking DEMO_QUESTIONS words
-    in turn, on words of the training side of the split (never a held-out word) drawn from their own seeded stream.
-    `args`: the env's own (`salt`, `min_len`, `max_len`), defaults as in CodeLookupConfig."""
-    cfg = CodeLookupConfig(seed=seed, **args)
+def demonstrations(count: int, seed: int, env_args: dict) -> list[dict]:
+    """primerl's SFT hook (primerl.envs.demonstrations): `count` conversations ({"messages", "tools"}) from the imperfect
+    teacher, each asking DEMO_QUESTIONS words in turn, on words of the training side of the split (never a held-out
+    word) drawn from their own seeded stream. Of `env_args`, the code book's `salt` and the word lengths count."""
+    cfg = CodeLookupConfig(seed=seed, **{k: env_args[k] for k in ("salt", "min_len", "max_len") if k in env_args})
     salt = cfg.salt
     tools = tool_schemas(CodeBook(CodeBookConfig(salt=salt)))
     rng = random.Random(f"{seed}/code-lookup/teacher")
@@ -126,4 +129,4 @@ def teacher_turns(word: str, behaviour: float, salt: str) -> list[dict]:
             {"role": "tool", "tool_call_id": "call_0", "content": code}, {"role": "assistant", "content": code}]  # fmt: skip
 
 
-__all__ = ["CodeLookupTaskset", "ChatHarness"]
+__all__ = ["CodeLookupTaskset", "ChatHarness", "demonstrations", "DEMONSTRATIONS_VERSION"]

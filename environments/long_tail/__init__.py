@@ -11,8 +11,8 @@ import random
 
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
+from reverse_text.texts import MAX_LEN, MIN_LEN, SYSTEM_PROMPT, lcs_ratio, make_texts
 
-from primerl.envs.reverse_text import SYSTEM_PROMPT, lcs_ratio, make_texts
 from primerl.envs.traces import final_reply
 
 
@@ -41,8 +41,8 @@ class LongTailConfig(vf.TasksetConfig):
     seed: int = 0
     max_turns: int = 8  # the tail: a chain this long
     tail_fraction: float = 0.2  # of tasks in the tail; half of all tasks are one turn long
-    min_len: int = 3
-    max_len: int = 8
+    min_len: int = MIN_LEN
+    max_len: int = MAX_LEN
 
 
 def chain_length(rng: random.Random, max_turns: int, tail_fraction: float) -> int:

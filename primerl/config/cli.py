@@ -21,10 +21,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig, register_schema
 from primerl.config.validate import validate
-from primerl.utils.errors import RunError
+from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import configure_logging, get_logger
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"

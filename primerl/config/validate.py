@@ -3,11 +3,11 @@
 import ipaddress
 from pathlib import Path
 
-from primerl.config.bounds import check_bounds
-from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.launch.config import JOB_ROLES
 from primerl.model.config import ModelSource
+from primerl.utils.bounds import check_bounds
+from primerl.utils.errors import ConfigError
 
 
 def _is_loopback(host: str) -> bool:
@@ -20,7 +20,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Raise ConfigError on the first field out of its range (declared beside it: primerl.config.bounds), then on the
+    """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
     first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
     check_bounds(cfg)
     orch, trainer, model, inf = cfg.orchestrator, cfg.trainer, cfg.model, cfg.inference

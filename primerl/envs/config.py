@@ -6,7 +6,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from primerl.config.bounds import bounded
+from primerl.utils.bounds import bounded
 
 
 @dataclass

@@ -71,7 +71,7 @@ async def run_tasks(runner: Any, tasks: list, samples_per_task: int, max_infligh
                     on_rollout: Callable[[], None] = lambda: None) -> list[TaskResult]:  # fmt: skip
     """`samples_per_task` rollouts of each task through `runner` (an EnvRunner), at most `max_inflight` at once.
     A rollout that raises, times out or fails is a reason in its task's `failures`, never an exception."""
-    from primerl.envs.verifiers_env import Rollout
+    from primerl.envs.types import Rollout
 
     results = [TaskResult() for _ in tasks]
     slots = asyncio.Semaphore(max_inflight)

@@ -6,18 +6,18 @@ timed out, or scored a non-finite reward becomes a counted `RolloutFailure`, nev
 
 import math
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import verifiers.v1 as vf
 from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
-from primerl.config.errors import ConfigError
 from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_speed import memoize_default_factory_check
 from primerl.envs.tool_renderer import renderer_config
 from primerl.envs.traces import final_reply, prompt_text, transcript
+from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
+from primerl.utils.errors import ConfigError
 
 if TYPE_CHECKING:
     from primerl.inference.config import InferenceConfig
@@ -50,31 +50,6 @@ def load_env(cfg: EnvConfig) -> vf.Env:
         first = str(err).splitlines()
         key = "env.harness_args" if any(line.startswith("agent.harness") for line in first) else "env.args"
         raise ConfigError(key, " ".join(line.strip() for line in first[:3])) from err
-
-
-@dataclass
-class ScoredBranch:
-    token_ids: list[int]
-    sampled_mask: list[bool]
-    logprobs: list[float]
-
-
-@dataclass
-class Rollout:
-    """One finished, scored rollout (one trace) with its trainable branches."""
-
-    reward: float
-    rewards: dict[str, float]  # each reward function's score
-    branches: list[ScoredBranch]
-    completion: str  # the last assistant message
-    prompt: str = ""  # the messages before the first assistant message
-    metrics: dict[str, float] = field(default_factory=dict)  # the env's @vf.metric values
-    transcript: list[dict] = field(default_factory=list)  # primerl.envs.traces.transcript: messages with timings
-
-
-@dataclass
-class RolloutFailure:
-    reason: str
 
 
 def _branch(branch) -> ScoredBranch | None:

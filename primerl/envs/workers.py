@@ -35,10 +35,12 @@ from typing import Any
 import verifiers.v1 as vf
 from verifiers.v1.serve import EnvClient, serve_env
 
-from primerl.envs.verifiers_env import Rollout, RolloutFailure, episode_rollouts
+from primerl.envs.types import Rollout, RolloutFailure
+from primerl.envs.verifiers_env import episode_rollouts
 from primerl.utils.errors import RunError
 from primerl.utils.liveness import Liveness, Pulse
 from primerl.utils.log import configure_logging, get_logger
+from primerl.utils.wait import WaitTimeout, wait_until_async
 
 log = get_logger(__name__)
 
@@ -116,14 +118,16 @@ class EnvWorkers:
         self._dir = tempfile.mkdtemp(prefix="primerl-env-")
         keepers = [self._keep(i) for i in range(self.count)]
         self.supervisor = asyncio.create_task(self._supervise(keepers), name=f"env workers {self.name}")
-        deadline = time.monotonic() + self.startup_timeout_s
-        while self.live_count < self.count:  # all of them up before the first rollout: a fair start
+
+        def all_up() -> bool:  # all of them up before the first rollout: a fair start
             if self.supervisor.done():
-                self.supervisor.result()
-            if time.monotonic() > deadline:
-                raise RunError(f"env workers of {self.name}: {self.live_count}/{self.count} up after "
-                               f"{self.startup_timeout_s:.0f}s")  # fmt: skip
-            await asyncio.sleep(0.1)
+                self.supervisor.result()  # the supervisor's error ends the wait
+            return self.live_count >= self.count
+
+        try:
+            await wait_until_async(all_up, f"{self.count} env worker(s) of {self.name}", self.startup_timeout_s, 0.1)
+        except WaitTimeout as err:
+            raise RunError(f"{err}: {self.live_count}/{self.count} up") from None
         log.info("%d env worker(s) serve %s", self.count, self.name)
         return self
 

@@ -30,13 +30,13 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.envs.config import EnvConfig
 from primerl.envs.evaluation import TaskResult, run_tasks, summarize
 from primerl.transport.atomic import is_stable
 from primerl.transport.run_dir import log_path, vllm_scratch_prefix, weights_path
 from primerl.transport.weights import latest_stable_version
+from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 from primerl.utils.process import free_port
 

@@ -3,8 +3,8 @@ the run config, not a group)."""
 
 from dataclasses import dataclass, field
 
-from primerl.config.bounds import bounded
 from primerl.envs.config import EnvConfig
+from primerl.utils.bounds import bounded
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.errors import ConfigError
 from primerl.inference.server import (
     InferenceStartError,
     VllmServer,
@@ -27,6 +26,7 @@ from primerl.inference.server import (
 )
 from primerl.model.start import initial_model_path
 from primerl.transport.run_dir import log_path, vllm_scratch_prefix
+from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 
 log = get_logger("inference")

@@ -1,13 +1,9 @@
 """Inference group: how the vLLM server is started."""
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 
-from primerl.config.bounds import bounded
-from primerl.transport.run_dir import inference_address_path
+from primerl.utils.bounds import bounded
 
 
 class Quantization(Enum):
@@ -74,19 +70,3 @@ def served_ports(inf: InferenceConfig) -> list[int]:
 def replica_urls(inf: InferenceConfig) -> list[str]:
     """Base URLs of the inference replicas, in replica order."""
     return [f"http://{inf.host}:{port}" for port in replica_ports(inf)]
-
-
-def advertised_urls(run_dir: str | Path, inf: InferenceConfig, jobs: int = 1) -> list[str | None] | None:
-    """The replica URLs the inference jobs advertise (SLURM: job j in `inference_address_path(run, j)`, its node and
-    first port, rewritten when a requeued job starts elsewhere; it serves replicas j*k .. j*k+k-1, k = replicas /
-    jobs). None for the replicas of a job whose address cannot be read yet; None when no job's can."""
-    per_job = inf.replicas // jobs
-    urls: list[str | None] = []
-    for job in range(jobs):
-        try:
-            found = json.loads(inference_address_path(run_dir, job).read_text())
-            at = dataclasses.replace(inf, host=str(found["host"]), port=int(found["port"]), replicas=per_job)
-            urls += replica_urls(at)
-        except (OSError, ValueError, KeyError, TypeError):
-            urls += [None] * per_job
-    return urls if any(urls) else None

@@ -12,14 +12,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import torch
 
-from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization, replica_ports
 from primerl.inference.guard import API_KEY_ENV
@@ -27,8 +25,10 @@ from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, served_by, server_identity
 from primerl.transport.run_dir import weights_root
 from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
+from primerl.utils.errors import ConfigError
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import port_taken, stop_process_groups
+from primerl.utils.wait import WaitTimeout, wait_until
 
 EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
 
@@ -189,26 +189,32 @@ class VllmServer:
 
     def wait_ready(self, timeout_s: float = 600.0) -> "VllmServer":
         assert self.process is not None, "spawn() first"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()  # its engine children and temp dir
-                raise InferenceStartError(
-                    f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
-                    f"{self.log_path}:\n{self.log_tail()}"
-                )
-            answer = self._health()
-            if answer is not None and answer.status_code == 200:
-                if served_by(answer.headers, self.identity):
-                    return self
-                self.stop()
-                raise InferenceStartError(f"another server answers at {self.base_url}, not this run's: set "
-                                          "inference.port to a free port, or 0 to pick one")  # fmt: skip
-            time.sleep(1.0)
+        try:
+            wait_until(self._ready, f"vLLM at {self.base_url} (log: {self.log_path})", timeout_s, poll_s=1.0,
+                       note_every_s=15)  # fmt: skip
+        except WaitTimeout:
+            self.stop()
+            raise InferenceStartError(
+                f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}"
+            ) from None
+        return self
+
+    def _ready(self) -> bool:
+        """Whether this run's server answers /health; raises (the server stopped) when it never will."""
+        if self.process.poll() is not None:
+            self.stop()  # its engine children and temp dir
+            raise InferenceStartError(
+                f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
+                f"{self.log_path}:\n{self.log_tail()}"
+            )
+        answer = self._health()
+        if answer is None or answer.status_code != 200:
+            return False
+        if served_by(answer.headers, self.identity):
+            return True
         self.stop()
-        raise InferenceStartError(
-            f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}"
-        )
+        raise InferenceStartError(f"another server answers at {self.base_url}, not this run's: set "
+                                  "inference.port to a free port, or 0 to pick one")  # fmt: skip
 
     @property
     def identity(self) -> str | None:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from primerl.config.bounds import bounded
+from primerl.utils.bounds import bounded
 
 # The roles of a run's SLURM jobs (primerl/launch/slurm.py names inference jobs after the first `inference-<j>`); the
 # keys `launcher.sbatch` accepts.

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 from typing import IO
 
@@ -23,6 +22,7 @@ from primerl.transport.run_dir import vllm_scratch_prefix, weights_root
 from primerl.transport.weights import WEIGHTS_DIR_ENV
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
+from primerl.utils.wait import WaitTimeout, wait_until
 
 log = get_logger("train")
 LOCK_FILE = "driver.lock"
@@ -82,17 +82,16 @@ def clear_leftovers(run_dir: Path, grace_s: float = 20.0) -> None:
     pids = [p for p in run_processes(run_dir) if _alive(p)]
     if pids:
         log.warning(f"{len(pids)} process(es) of a previous driver of this run still alive ({pids}); stopping them")
-        deadline = time.monotonic() + grace_s
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in pids:
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        while any(_alive(p) for p in pids):
-            time.sleep(0.1)
+        try:
+            wait_until(lambda: not any(_alive(p) for p in pids), "the previous driver's processes to stop", grace_s)
+        except WaitTimeout:
+            for pid in pids:
+                if _alive(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            wait_until(lambda: not any(_alive(p) for p in pids), "the killed processes to go", poll_s=0.1)
     stale = stale_temporaries(run_dir) + sorted(Path(tempfile.gettempdir()).glob(vllm_scratch_prefix(run_dir) + "*"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)

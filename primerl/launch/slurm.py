@@ -18,11 +18,9 @@ Invariants:
   and requeues itself (submitit's Checkpointable). The processes resume from their last checkpoint and batch.
 """
 
-import json
 import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,10 +29,11 @@ import submitit
 from primerl.config.schema import RunConfig
 from primerl.launch.config import job_role
 from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
-from primerl.transport.atomic import atomic_file
+from primerl.transport.address import read_address, write_address
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.log import get_logger
 from primerl.utils.process import free_port
+from primerl.utils.wait import WaitTimeout, wait_until
 
 log = get_logger("train")
 
@@ -76,9 +75,8 @@ class ModuleJob(submitit.helpers.Checkpointable):
             _running = subprocess.Popen(module_command(self.module, overrides, run_dir), stdout=out,
                                         stderr=subprocess.STDOUT, env=env)  # fmt: skip
         # polled, not wait()ed: `checkpoint` runs as a signal handler and must be able to wait for the process itself
-        while (code := _running.poll()) is None:
-            time.sleep(1.0)
-        if code != 0:
+        wait_until(lambda: _running.poll() is not None, f"{self.name} to exit", poll_s=1.0)
+        if (code := _running.returncode) != 0:
             raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
 
     def _address_overrides(self) -> list[str]:
@@ -87,8 +85,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
             host = self.inference_host
             if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
                 host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
-            with atomic_file(inference_address_path(self.run_dir, self.inference_index)) as tmp:
-                tmp.write_text(json.dumps({"host": host, "port": port, "job_id": _job_id()}))
+            write_address(self.run_dir, self.inference_index, host, port, _job_id())
             # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
             return [
                 f"inference.port={port}",
@@ -96,7 +93,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
                 "launcher.inference_jobs=1",
             ]
         if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
-            found = [_wait_for_address(inference_address_path(self.run_dir, index), job_id, self.wait_s)
+            found = [_wait_for_address(self.run_dir, index, job_id, self.wait_s)
                      for index, job_id in enumerate(self.inference_job_ids)]  # fmt: skip
             return [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
         return []
@@ -116,17 +113,16 @@ def _job_id() -> str:
     return os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID", ""))
 
 
-def _wait_for_address(path: Path, job_id: str | None, wait_s: float) -> dict:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            found = json.loads(path.read_text())
-            if job_id is None or found.get("job_id") == job_id:
-                return found
-        except (OSError, ValueError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"no address from inference job {job_id} in {path} after {wait_s:.0f}s")
+def _wait_for_address(run_dir: Path, index: int, job_id: str | None, wait_s: float) -> dict:
+    def found() -> dict | None:
+        address = read_address(run_dir, index)
+        return address if address is not None and job_id in (None, address["job_id"]) else None
+
+    what = f"the address of inference job {job_id} in {inference_address_path(run_dir, index)}"
+    try:
+        return wait_until(found, what, wait_s, poll_s=1.0, note_every_s=60)
+    except WaitTimeout as err:
+        raise RuntimeError(f"no address from inference job {job_id}: {err}") from None
 
 
 @dataclass
@@ -160,11 +156,12 @@ class SlurmLauncher:
 
     def run_sft(self, overrides: list[str]) -> None:
         self._submit("sft", "primerl.sft", overrides, **self._trainer_placement())
-        while True:
+
+        def ended() -> bool:
             self._refresh()
-            if self._ended_well("sft"):
-                return
-            time.sleep(self.poll_s)
+            return self._ended_well("sft")
+
+        wait_until(ended, "the SFT job", poll_s=self.poll_s)
 
     @property
     def inference_names(self) -> list[str]:

@@ -38,16 +38,15 @@ class Launcher(Protocol):
 
 
 def sft_needed(cfg: RunConfig) -> bool:
-    from primerl.model.start import GENERATED_DEMONSTRATIONS, sft_applies, sft_checkpoint_dir
+    from primerl.model.start import sft_applies, sft_checkpoint_dir
     from primerl.transport.atomic import is_stable
 
     if not cfg.sft.enabled:
         return False
     if not sft_applies(cfg):
         env = "a mixture" if cfg.mixture else f"env.id={cfg.env.id}"
-        log.warning(f"no SFT warm-start: no demonstrations for {env} (primerl generates them for "
-                    f"{', '.join(GENERATED_DEMONSTRATIONS)}; give yours with sft.data=FILE.jsonl); "
-                    "RL starts from the base model")  # fmt: skip
+        log.warning(f"no SFT warm-start: no demonstrations for {env} (its package has no `demonstrations` hook; "
+                    "give yours with sft.data=FILE.jsonl); RL starts from the base model")  # fmt: skip
         return False
     target = sft_checkpoint_dir(cfg)
     if is_stable(target):

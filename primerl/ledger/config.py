@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from primerl.config.bounds import bounded
+from primerl.utils.bounds import bounded
 
 
 @dataclass

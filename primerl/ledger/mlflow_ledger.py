@@ -258,7 +258,7 @@ class MetricsFollower:
             if row.get("step", 0) % self.sample_every == 0:
                 from primerl.ledger.traces import log_rollout_trace
 
-                log_rollout_trace(self.ledger, self.ledger.experiment_id, row)
+                log_rollout_trace(self.ledger.client, self.ledger.run_id, self.ledger.experiment_id, row)
             self.offsets[self.SAMPLES] = offset
             self._save_offsets()
 

@@ -17,18 +17,17 @@ import time
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
 
 import mlflow  # noqa: E402 - after the setting above, which mlflow reads when its exporter starts
-
-from primerl.ledger.mlflow_ledger import Ledger  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
 
 
 def _ns(seconds: float | None) -> int | None:
     return int(seconds * 1e9) if seconds else None
 
 
-def log_rollout_trace(ledger: Ledger, experiment_id: str, row: dict) -> str:
-    """Store one sampled rollout (a samples.jsonl row) as a trace of the ledger's run; returns its trace id."""
-    mlflow.set_tracking_uri(ledger.client.tracking_uri)
-    client, messages = ledger.client, row.get("messages") or []
+def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict) -> str:
+    """Store one sampled rollout (a samples.jsonl row) as a trace of run `run_id`; returns its trace id."""
+    mlflow.set_tracking_uri(client.tracking_uri)
+    messages = row.get("messages") or []
     first_version, last_version = (row.get("policy_versions") or [None, None])[:2]
     starts = [m["start"] for m in messages if m.get("start")] + [m["end"] for m in messages if m.get("end")]
     begin, finish = (min(starts), max(starts)) if starts else (time.time(), time.time())
@@ -36,7 +35,7 @@ def log_rollout_trace(ledger: Ledger, experiment_id: str, row: dict) -> str:
                   "policy_version.first": first_version, "policy_version.last": last_version,
                   **{f"reward.{k}": v for k, v in (row.get("rewards") or {}).items()},
                   **{f"metric.{k}": v for k, v in (row.get("metrics") or {}).items()}}  # fmt: skip
-    root = client.start_trace("rollout", span_type="AGENT", experiment_id=experiment_id, run_id=ledger.run_id,
+    root = client.start_trace("rollout", span_type="AGENT", experiment_id=experiment_id, run_id=run_id,
                               inputs={"task": row.get("task", ""), "prompt": row.get("prompt", "")},
                               attributes=attributes, start_time_ns=_ns(begin),
                               tags={"primerl.step": str(row["step"]), "primerl.task": str(row.get("task", ""))})  # fmt: skip

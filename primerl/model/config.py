@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from primerl.config.bounds import bounded
+from primerl.utils.bounds import bounded
 
 
 class ModelSource(Enum):

@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from primerl.config.errors import ConfigError
 from primerl.config.schema import RunConfig
 from primerl.model.config import ModelSource
 from primerl.model.tiny import build_tiny_model
+from primerl.utils.errors import ConfigError
 
 
 def base_model_path(cfg: RunConfig) -> str:

@@ -12,20 +12,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
+from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
 from primerl.model.resolve import base_model_path
-
-# Environments whose demonstrations primerl generates itself (primerl.sft), with the version of each generator; any
-# other env needs `sft.data`. The version is part of the SFT cache key: bump it whenever a generator's output changes,
-# or runs keep reusing warm-starts trained on the old demonstrations.
-GENERATED_DEMONSTRATIONS = {"reverse-text": 1, "code-lookup": 2}
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:
     """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file or directory), the env's own
-    generator (`generated:<env id>`), or None when there are none for this env (or a mixture of envs)."""
+    generator (`generated:<env id>`, primerl.envs.demonstrations), or None when there are none for this env (or a
+    mixture of envs)."""
     if cfg.sft.data:
         return str(Path(cfg.sft.data).expanduser().resolve())
-    if not cfg.mixture and cfg.env.id in GENERATED_DEMONSTRATIONS:
+    if not cfg.mixture and demonstration_hook(cfg.env.id) is not None:
         return f"generated:{cfg.env.id}"
     return None
 
@@ -43,8 +40,8 @@ def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     key_parts = [base_model_path(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
     if data:
         key_parts.append(data_digest(data))
-    elif GENERATED_DEMONSTRATIONS.get(cfg.env.id, 1) > 1:  # version 1 is left out: keys made before versions stay valid
-        key_parts.append({"demonstrations": GENERATED_DEMONSTRATIONS[cfg.env.id]})
+    elif demonstrations_version(cfg.env.id) > 1:  # version 1 is left out: keys made before versions stay valid
+        key_parts.append({"demonstrations": demonstrations_version(cfg.env.id)})
     key = json.dumps(key_parts, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.path.expanduser(cfg.cache_dir)) / "sft" / f"{cfg.name}-{digest}"

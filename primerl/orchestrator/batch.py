@@ -4,9 +4,11 @@ from primerl.transport.batches import RolloutBatch, Sample
 from primerl.transport.packing import pack_sequences
 
 
-def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size: int, pad_id: int,
-                metrics: dict[str, float] | None = None, data_position: int = 0) -> RolloutBatch:  # fmt: skip
-    """Pack samples into rows of `seq_len`, then micro-batches of `micro_batch_size` rows.
+def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size: int, pad_id: int, *,
+                temperature: float, async_level: int, metrics: dict[str, float] | None = None,
+                data_position: int = 0) -> RolloutBatch:  # fmt: skip
+    """Pack samples into rows of `seq_len`, then micro-batches of `micro_batch_size` rows. `temperature` and
+    `async_level` say how the samples were drawn (the trainer's loss matches them).
 
     Per-token fields: `loss_mask` (sampled tokens), `inference_logprobs`, and `advantages` (the sample's
     advantage on every token; only masked tokens use it).
@@ -36,6 +38,8 @@ def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size
         num_samples=len(samples),
         num_loss_tokens=num_loss_tokens,
         min_policy_version=min(s.policy_version for s in samples),
+        temperature=temperature,
+        async_level=async_level,
         metrics=dict(metrics or {}),
         data_position=data_position,
     )

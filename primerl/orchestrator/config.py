@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from primerl.config.bounds import bounded
+from primerl.utils.bounds import bounded
 
 
 @dataclass

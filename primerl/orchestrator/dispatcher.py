@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from primerl.envs.verifiers_env import Rollout, RolloutFailure
+from primerl.envs.types import Rollout, RolloutFailure
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.types import (
     CancelledGroup,

@@ -12,7 +12,6 @@ versions). A request that arrives after the pause never touches KV from older we
 middleware (primerl.inference.cache_salt) salts every request with the number of pauses so far.
 """
 
-import asyncio
 import re
 import time
 from collections.abc import Callable
@@ -21,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from primerl.transport.identity import served_by
-from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
+from primerl.utils.wait import wait_until_async
 
 log = get_logger(__name__)
 
@@ -78,13 +77,13 @@ class InferenceClient:
 
     async def wait_healthy(self, timeout_s: float, before_probe: Callable[[], None] = lambda: None) -> None:
         """Until /health answers 200, probing with back-off up to 10 s apart (`before_probe` runs before each)."""
-        deadline, delay = time.monotonic() + timeout_s, 0.5
-        while before_probe() or not await self.healthy():
-            if time.monotonic() > deadline:
-                raise RunError(f"inference server {self.base_url} not healthy after {timeout_s:.0f}s "
-                               "(inference.startup_timeout_s)")  # fmt: skip
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+
+        async def ready() -> bool:
+            before_probe()
+            return await self.healthy()
+
+        what = f"inference server {self.base_url} to be healthy (inference.startup_timeout_s)"
+        await wait_until_async(ready, what, timeout_s, poll_s=0.5, max_poll_s=10.0)
 
     async def _rpc(self, method: str, *args: str) -> list[str]:
         r = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})

@@ -13,7 +13,6 @@ Invariants:
 - a version already in `metrics/eval.jsonl` (a resumed orchestrator) is not evaluated again.
 """
 
-import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from primerl.eval.config import EvalConfig
 from primerl.metrics import EVAL, append_metrics, read_metrics
 from primerl.orchestrator.types import Policy
 from primerl.utils.log import get_logger
+from primerl.utils.wait import wait_until_async
 
 log = get_logger(__name__)
 
@@ -52,10 +52,10 @@ class OnlineEval:
         if self.due(version):
             await self.run(version)
 
-    async def finish(self, policy: Policy, poll_s: float = 0.2) -> None:
+    async def finish(self, policy: Policy) -> None:
         """After the last batch: wait until the final policy is served, then evaluate it."""
-        while policy.version < self.max_steps:
-            await asyncio.sleep(poll_s)
+        await wait_until_async(lambda: policy.version >= self.max_steps, f"policy v{self.max_steps} to be served",
+                               note_every_s=60)  # fmt: skip
         await self.before_load(self.max_steps)
 
     async def run(self, version: int) -> None:

@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from primerl.envs.verifiers_env import Rollout, RolloutFailure
+from primerl.envs.types import Rollout, RolloutFailure
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.orchestrator.types import RolloutRunner
 from primerl.utils.liveness import Liveness, Pulse

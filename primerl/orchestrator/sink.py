@@ -15,7 +15,7 @@ Invariants:
 
 from dataclasses import dataclass, field
 
-from primerl.envs.verifiers_env import Rollout
+from primerl.envs.types import Rollout
 from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.types import FinishedGroup
 from primerl.transport.batches import Sample

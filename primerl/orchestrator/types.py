@@ -7,15 +7,11 @@ Every dispatched rollout is accounted for exactly once: in a `FinishedGroup` (as
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from primerl.envs.verifiers_env import Rollout, RolloutFailure
+from primerl.envs.types import Rollout, RolloutRunner
 
-
-class RolloutRunner(Protocol):
-    """Runs one rollout of a task to the end. Failures come back as `RolloutFailure` data, never as exceptions."""
-
-    async def run(self, task: Any) -> list[Rollout | RolloutFailure]: ...
+__all__ = ["AlwaysServing", "CancelledGroup", "FinishedGroup", "FinishedRollout", "Policy", "RolloutRunner", "Servers"]
 
 
 @dataclass
@@ -49,3 +45,31 @@ class CancelledGroup:
     version: int
     rollouts: int  # every rollout of the group, finished or not: the group's samples are never trained
     reason: str
+
+
+class Servers(Protocol):
+    """The inference servers rollouts go to, as the cut loop sees them (primerl.orchestrator.watcher.Watcher)."""
+
+    @property
+    def serving(self) -> bool:
+        """Whether any replica takes rollouts now: while none does, failed rollouts say nothing about the env."""
+
+    @property
+    def recoveries(self) -> int:
+        """Replicas brought back so far: a recovery resets the count of rollouts failed in a row."""
+
+    @property
+    def load_s(self) -> float:
+        """Seconds spent loading weights so far."""
+
+    def check_health(self) -> None:
+        """A whole group failed: look at the servers now rather than at the next health check."""
+
+
+class AlwaysServing:
+    """`Servers` for a cut loop without a watcher (tests, benchmarks): always up, never loading."""
+
+    serving, recoveries, load_s = True, 0, 0.0
+
+    def check_health(self) -> None:
+        pass

@@ -19,9 +19,11 @@ RESTORE_ROWS = 3  # a killed predecessor can have lost only its last row; a few 
 
 
 class BatchWriter:
-    def __init__(self, run_dir: str | Path, seq_len: int, micro_batch_size: int, pad_id: int):
+    def __init__(self, run_dir: str | Path, seq_len: int, micro_batch_size: int, pad_id: int, temperature: float,
+                 async_level: int):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.seq_len, self.micro_batch_size, self.pad_id = seq_len, micro_batch_size, pad_id
+        self.temperature, self.async_level = temperature, async_level
 
     def resume_point(self) -> tuple[int, int]:
         """(first step without a batch, tasks drawn through the last batch)."""
@@ -37,7 +39,9 @@ class BatchWriter:
     def write(self, step: int, samples: list[Sample], metrics: dict[str, float], data_position: int,
               examples: list[dict]) -> None:  # fmt: skip
         started = time.perf_counter()
-        batch = build_batch(samples, step, self.seq_len, self.micro_batch_size, self.pad_id, metrics, data_position)
+        batch = build_batch(samples, step, self.seq_len, self.micro_batch_size, self.pad_id,
+                            temperature=self.temperature, async_level=self.async_level, metrics=metrics,
+                            data_position=data_position)  # fmt: skip
         write_rollout_batch(self.run_dir, batch)
         # only in the metrics row: the batch file's own copy of the metrics was written before this was known
         metrics = {**metrics, OrchestratorMetric.WRITE_BATCH_S: time.perf_counter() - started}

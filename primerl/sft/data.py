@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from primerl.config.errors import ConfigError
 from primerl.transport.packing import pack_sequences
+from primerl.utils.errors import ConfigError
 
 IGNORE = -100
 

@@ -30,6 +30,11 @@ class LossParts:
     entropy_sum: float
     tokens: int
 
+    def sums(self) -> dict[str, float]:
+        """What the trainer adds up over micro-batches and ranks."""
+        return {"mismatch_kl": self.mismatch_kl_sum, "masked": self.masked_tokens, "entropy": self.entropy_sum,
+                "tokens": self.tokens}  # fmt: skip
+
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(input_ids[:, t+1] | prefix) for t = 0..T-2, from logits at temperature `temperature`."""

@@ -21,6 +21,7 @@ from primerl.transport.run_dir import rollout_path
 from primerl.utils.errors import RunError
 
 MICRO_BATCH_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages")
+SAMPLING_FIELDS = ("temperature", "async_level")
 
 
 @dataclass
@@ -44,6 +45,10 @@ class RolloutBatch:
     num_samples: int
     num_loss_tokens: int  # over all micro-batches: the token-level normaliser of the loss
     min_policy_version: int
+    # how the samples were drawn, which the loss must match: the trainer reads these from the batch, never from the
+    # orchestrator's config
+    temperature: float
+    async_level: int  # the most policy versions a sample may lag (primerl.transport.weights.versions_to_keep)
     metrics: dict[str, float] = field(default_factory=dict)
     data_position: int = 0  # tasks the orchestrator has consumed through this batch: where a resume goes on
 
@@ -92,5 +97,9 @@ def read_rollout_batch(path: str | Path) -> RolloutBatch:
         raise CorruptBatch(path, f"{path.stat().st_size} bytes, {8 + header_bytes + size} expected")
     if expected is not None and _digest(tensors)[0] != expected:
         raise CorruptBatch(path, "its data does not match its recorded sha256")
+    missing = [key for key in SAMPLING_FIELDS if key not in meta]
+    if missing:
+        raise RunError(f"rollout batch {path} records no {' or '.join(missing)} (written by an older primerl): "
+                       "start a new run, or move it and every later batch aside so the orchestrator writes them again")  # fmt: skip
     micro = [{k: tensors[f"mb{i}.{k}"] for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))]
     return RolloutBatch(micro_batches=micro, **meta)

@@ -1,9 +1,19 @@
-"""The failure a primerl process reports in one clear line and exits 1 on (primerl.config.cli.hydra_app): a corrupt
-file, a failed write, training that went non-finite, an environment that fails every rollout. Anything else that
-escapes is a bug, and keeps its traceback."""
+"""The two failures a primerl process reports in one clear line (primerl.config.cli.hydra_app): a `ConfigError`
+(exit 2) for a config value that cannot work, and a `RunError` (exit 1) for a corrupt file, a failed write, training
+that went non-finite, an environment that fails every rollout. Anything else that escapes is a bug, and keeps its
+traceback. A leaf module: raising either imports nothing else of primerl."""
 
 import asyncio
 import contextlib
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; `key` is the dotted path a user would override."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
 
 
 class RunError(RuntimeError):

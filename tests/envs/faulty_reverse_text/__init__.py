@@ -19,8 +19,8 @@ import zlib
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
 from reverse_text import ReverseTextConfig, ReverseTextData, ReverseTextTaskset
+from reverse_text.texts import lcs_ratio
 
-from primerl.envs.reverse_text import lcs_ratio
 from primerl.envs.traces import final_reply
 
 

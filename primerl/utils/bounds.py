@@ -12,7 +12,7 @@ import dataclasses
 import operator
 from typing import Any
 
-from primerl.config.errors import ConfigError
+from primerl.utils.errors import ConfigError
 
 _OPS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
 

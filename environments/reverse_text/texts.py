@@ -1,4 +1,5 @@
-"""The reverse-text task: prompts, reference answers and the LCS-ratio reward, defined once for SFT, RL and eval."""
+"""The reverse-text task: texts, prompts and the LCS-ratio reward, defined once for the env's tasks, its SFT
+demonstrations and the envs built on it (long-tail). Imports no verifiers."""
 
 import random
 import string
@@ -12,9 +13,10 @@ def stream_seed(seed: int, stream: str, chunk: int = 0) -> str:
 
 
 ALPHABET = string.ascii_lowercase
+MIN_LEN, MAX_LEN = 3, 8  # text lengths, in letters, unless the env's args say otherwise
 
 
-def make_texts(seed: int | str, count: int, min_len: int = 3, max_len: int = 8) -> list[str]:
+def make_texts(seed: int | str, count: int, min_len: int = MIN_LEN, max_len: int = MAX_LEN) -> list[str]:
     """`count` random strings of distinct lowercase letters; the same seed always gives the same list.
 
     Letters do not repeat within a text, so every output position has one unambiguous source position: a tiny
@@ -28,6 +30,15 @@ def make_texts(seed: int | str, count: int, min_len: int = 3, max_len: int = 8) 
 
 def prompt_messages(text: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+
+
+def demonstration_answers(texts: list[str], uppercase_fraction: float, seed: int) -> list[str]:
+    """The SFT answer for each text: its reversal, in capitals for a seeded `uppercase_fraction` of them (a sloppy
+    teacher, so the warm-start has a habit for RL to unlearn: the reward is case-sensitive)."""
+    if not 0 <= uppercase_fraction < 1:
+        raise ValueError(f"uppercase_fraction must be >= 0 and < 1, got {uppercase_fraction}")
+    rng = random.Random(f"{seed}/sft-uppercase")
+    return [t[::-1].upper() if rng.random() < uppercase_fraction else t[::-1] for t in texts]
 
 
 def lcs_length(a: str, b: str) -> int:
