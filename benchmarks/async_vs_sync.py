@@ -24,9 +24,18 @@ from primerl.utils.process import free_port
 
 def run_level(level: int, steps: int, overrides: list[str], root: Path) -> dict[str, float]:
     run = root / f"async{level}"
-    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", f"orchestrator.async_level={level}",
-           f"trainer.max_steps={steps}", f"inference.port={free_port()}", f"hydra.run.dir={run}",
-           "ledger.enabled=false", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "primerl.train",
+        "+experiment=reverse_text",
+        f"orchestrator.async_level={level}",
+        f"trainer.max_steps={steps}",
+        f"inference.port={free_port()}",
+        f"hydra.run.dir={run}",
+        "ledger.enabled=false",
+        *overrides,
+    ]
     started = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -58,11 +67,15 @@ def main() -> None:
             results[level] = run_level(level, args.steps, args.overrides, Path(root))
     base = results[min(results)]
     ideal = (base["G"] + base["T"]) / max(base["G"], base["T"])
-    print(f"\n{'async_level':>11} {'samples/s':>10} {'ratio':>6} {'G s':>6} {'T s':>6} {'wait policy':>12} "
-          f"{'wait batch':>11} {'wall s':>7}")  # fmt: skip
+    print(
+        f"\n{'async_level':>11} {'samples/s':>10} {'ratio':>6} {'G s':>6} {'T s':>6} {'wait policy':>12} "
+        f"{'wait batch':>11} {'wall s':>7}"
+    )
     for level, r in results.items():
-        print(f"{level:>11} {r['samples_per_s']:>10.2f} {r['samples_per_s'] / base['samples_per_s']:>6.2f} "
-              f"{r['G']:>6.2f} {r['T']:>6.2f} {r['wait_policy']:>12.2f} {r['wait_batch']:>11.2f} {r['wall']:>7.0f}")  # fmt: skip
+        print(
+            f"{level:>11} {r['samples_per_s']:>10.2f} {r['samples_per_s'] / base['samples_per_s']:>6.2f} "
+            f"{r['G']:>6.2f} {r['T']:>6.2f} {r['wait_policy']:>12.2f} {r['wait_batch']:>11.2f} {r['wall']:>7.0f}"
+        )
     print(f"\nideal ratio (G+T)/max(G,T) from the async_level={min(results)} run: {ideal:.2f}")
 
 

@@ -72,10 +72,21 @@ def wait_for(condition, timeout_s: float, poll_s: float = 0.2) -> bool:
 
 def soak(args, work: Path) -> dict:
     run = work / "soak"
-    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "sft.enabled=false",
-           f"trainer.max_steps={args.steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
-           f"inference.port={free_port()}", f"hydra.run.dir={run}", f"ledger.store_dir={work / 'ledger'}",
-           f"ledger.sample_every={SAMPLE_EVERY}", "ledger.system_metrics_s=5"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "primerl.train",
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        f"trainer.max_steps={args.steps}",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        f"inference.port={free_port()}",
+        f"hydra.run.dir={run}",
+        f"ledger.store_dir={work / 'ledger'}",
+        f"ledger.sample_every={SAMPLE_EVERY}",
+        "ledger.system_metrics_s=5",
+    ]
     rng = random.Random(args.seed)
     plan = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, args.faults - len(KINDS)))]
     rng.shuffle(plan)
@@ -86,8 +97,9 @@ def soak(args, work: Path) -> dict:
         if driver is None:
             incarnations += 1
             driver_log = open(work / f"driver-{incarnations}.log", "w")
-            driver = subprocess.Popen(cmd, cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)  # fmt: skip
+            driver = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         done_before = len(read_metrics(run, TRAINER))
         kind = plan[len(faults)] if len(faults) < len(plan) else None
         if kind is not None:
@@ -98,8 +110,9 @@ def soak(args, work: Path) -> dict:
             driver.wait(timeout=1800)
             if driver.returncode == 0 and len(read_metrics(run, TRAINER)) >= args.steps:
                 break
-            raise SystemExit(f"incarnation {incarnations} ended with {driver.returncode} without a fault; "
-                             f"see {driver_log.name}")  # fmt: skip
+            raise SystemExit(
+                f"incarnation {incarnations} ended with {driver.returncode} without a fault; see {driver_log.name}"
+            )
         pid = target_pid(kind, run, driver)
         if pid is None:  # e.g. the run finished meanwhile
             plan.append(plan.pop(len(faults)))
@@ -113,10 +126,21 @@ def soak(args, work: Path) -> dict:
             target = min(step + 2, args.steps)
             wait_for(lambda d=driver, t=target: len(read_metrics(run, TRAINER)) >= t or d.poll() is not None, 900)
             went_on = len(read_metrics(run, TRAINER)) >= target and driver.poll() in (None, 0)
-            faults.append({"kind": kind, "at_step": step, "driver_exit": driver.poll(), "went_on": went_on,
-                           "stopped_s": None, "recovered_s": round(time.monotonic() - killed_at, 1)})  # fmt: skip
-            print(f"fault {len(faults)}: kill -9 vllm at step {step}; the run went on (2 more steps "
-                  f"{faults[-1]['recovered_s']} s later), driver exit {driver.poll()}", flush=True)  # fmt: skip
+            faults.append(
+                {
+                    "kind": kind,
+                    "at_step": step,
+                    "driver_exit": driver.poll(),
+                    "went_on": went_on,
+                    "stopped_s": None,
+                    "recovered_s": round(time.monotonic() - killed_at, 1),
+                }
+            )
+            print(
+                f"fault {len(faults)}: kill -9 vllm at step {step}; the run went on (2 more steps "
+                f"{faults[-1]['recovered_s']} s later), driver exit {driver.poll()}",
+                flush=True,
+            )
             if driver.poll() is not None:
                 driver = None
             continue
@@ -127,13 +151,27 @@ def soak(args, work: Path) -> dict:
         orphans += [f"after killing {kind}: {_cmdline(p)[:80]!r}" for p in left]
         for p in left:
             os.kill(p, signal.SIGKILL)
-        faults.append({"kind": kind, "at_step": step, "driver_exit": driver.returncode,
-                       "stopped_s": round(time.monotonic() - killed_at, 1)})  # fmt: skip
-        print(f"fault {len(faults)}: kill -9 {kind} at step {step}; driver exit {driver.returncode}; "
-              f"everything stopped after {faults[-1]['stopped_s']} s", flush=True)  # fmt: skip
+        faults.append(
+            {
+                "kind": kind,
+                "at_step": step,
+                "driver_exit": driver.returncode,
+                "stopped_s": round(time.monotonic() - killed_at, 1),
+            }
+        )
+        print(
+            f"fault {len(faults)}: kill -9 {kind} at step {step}; driver exit {driver.returncode}; "
+            f"everything stopped after {faults[-1]['stopped_s']} s",
+            flush=True,
+        )
         driver = None
-    return {"run": run, "faults": faults, "orphans": orphans, "incarnations": incarnations,
-            "wall_s": time.monotonic() - started}  # fmt: skip
+    return {
+        "run": run,
+        "faults": faults,
+        "orphans": orphans,
+        "incarnations": incarnations,
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def check(run: Path, steps: int, soak_result: dict) -> list[tuple[str, bool, str]]:
@@ -144,23 +182,38 @@ def check(run: Path, steps: int, soak_result: dict) -> list[tuple[str, bool, str
     checks.append(("trainer rows 0..steps-1 once", trainer_steps == list(range(steps)), f"{len(trainer_steps)} rows"))
     log = (run / "logs" / "trainer.log").read_text()
     twice = [s for s in range(steps) if log.count(f"trainer: step {s}:") > 1]
-    starts = [int(line.split("trainer: starting at step ")[1].split()[0]) for line in log.splitlines()
-              if "trainer: starting at step " in line]  # fmt: skip
+    starts = [
+        int(line.split("trainer: starting at step ")[1].split()[0])
+        for line in log.splitlines()
+        if "trainer: starting at step " in line
+    ]
     checks.append(("no step trained twice", not twice, f"trained twice: {twice or 'none'}"))
-    checks.append(("restarts resume, never rewind", starts == sorted(starts) and starts[0] == 0,
-                   f"trainer starts at {starts}"))  # fmt: skip
+    checks.append(
+        ("restarts resume, never rewind", starts == sorted(starts) and starts[0] == 0, f"trainer starts at {starts}")
+    )
     orch_steps = [r["step"] for r in read_metrics(run, ORCHESTRATOR)]
     checks.append(("batches 0..steps-1 once", orch_steps == list(range(steps)), f"{len(orch_steps)} rows"))
     olog = (run / "logs" / "orchestrator.log").read_text()
     positions = [read_rollout_batch(rollout_path(run, s)).data_position for s in range(steps)]
     equal = sum(a == b for a, b in zip(positions, positions[1:]))
-    checks.append(("data positions never rewound", positions == sorted(positions),
-                   f"{positions[0]}..{positions[-1]}, {equal} equal neighbours"))  # fmt: skip
+    checks.append(
+        (
+            "data positions never rewound",
+            positions == sorted(positions),
+            f"{positions[0]}..{positions[-1]}, {equal} equal neighbours",
+        )
+    )
     evals = [r["step"] for r in read_metrics(run, EVAL)]
-    checks.append(("online evals once per version", evals == sorted(set(evals)) and evals[:1] == [0]
-                   and evals[-1:] == [steps], f"at policy versions {evals}"))  # fmt: skip
-    checks.append(("orchestrator resumed", olog.count("resuming at step") >= 1,
-                   f"{olog.count('resuming at step')} resumes"))  # fmt: skip
+    checks.append(
+        (
+            "online evals once per version",
+            evals == sorted(set(evals)) and evals[:1] == [0] and evals[-1:] == [steps],
+            f"at policy versions {evals}",
+        )
+    )
+    checks.append(
+        ("orchestrator resumed", olog.count("resuming at step") >= 1, f"{olog.count('resuming at step')} resumes")
+    )
     record = json.loads((run / "ledger.json").read_text())
     client = MlflowClient(record["tracking_uri"])
     mlrun = client.get_run(record["run_id"])
@@ -172,8 +225,9 @@ def check(run: Path, steps: int, soak_result: dict) -> list[tuple[str, bool, str
     expected = len([s for s in sampled if s["step"] % SAMPLE_EVERY == 0])
     traces = client.search_traces(locations=[record["experiment_id"]], run_id=record["run_id"], max_results=1000)
     checks.append(("one trace per sampled rollout", len(traces) == expected, f"{len(traces)} traces, {expected} rows"))
-    checks.append(("no orphans after any fault", not soak_result["orphans"], "; ".join(soak_result["orphans"]) or
-                   "none"))  # fmt: skip
+    checks.append(
+        ("no orphans after any fault", not soak_result["orphans"], "; ".join(soak_result["orphans"]) or "none")
+    )
     checks.append(("no process of the run left", not run_processes(run), str(run_processes(run) or "none")))
     stale = stale_temporaries(run) + sorted(Path(tempfile.gettempdir()).glob(vllm_scratch_prefix(run) + "*"))
     checks.append(("no stray temporaries", not stale, ", ".join(map(str, stale)) or "none"))
@@ -193,17 +247,31 @@ def main() -> None:
     checks = check(result["run"], args.steps, result)
     kinds = {k: sum(f["kind"] == k for f in result["faults"]) for k in KINDS}
     stopped = sorted(f["stopped_s"] for f in result["faults"] if f["stopped_s"] is not None)
-    print(f"\n{args.steps} steps, {len(result['faults'])} faults ({', '.join(f'{k} {n}' for k, n in kinds.items())}), "
-          f"{result['incarnations']} incarnations, {result['wall_s']:.0f} s; run {result['run']}")  # fmt: skip
+    print(
+        f"\n{args.steps} steps, {len(result['faults'])} faults ({', '.join(f'{k} {n}' for k, n in kinds.items())}), "
+        f"{result['incarnations']} incarnations, {result['wall_s']:.0f} s; run {result['run']}"
+    )
     if stopped:
-        print(f"time from kill -9 to every process of the run stopped: median {stopped[len(stopped) // 2]} s, "
-              f"range {stopped[0]}-{stopped[-1]} s")  # fmt: skip
+        print(
+            f"time from kill -9 to every process of the run stopped: median {stopped[len(stopped) // 2]} s, "
+            f"range {stopped[0]}-{stopped[-1]} s"
+        )
     survived = [f for f in result["faults"] if f["kind"] == "vllm"]
-    checks.append(("the run went on after every vLLM kill", all(f["went_on"] for f in survived), ", ".join(f"{f['recovered_s']} s" for f in survived) or "no vLLM kill"))  # fmt: skip
+    checks.append(
+        (
+            "the run went on after every vLLM kill",
+            all(f["went_on"] for f in survived),
+            ", ".join(f"{f['recovered_s']} s" for f in survived) or "no vLLM kill",
+        )
+    )
     for name, ok, detail in checks:
         print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
-    summary = {"faults": result["faults"], "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks],
-               "incarnations": result["incarnations"], "wall_s": result["wall_s"]}  # fmt: skip
+    summary = {
+        "faults": result["faults"],
+        "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks],
+        "incarnations": result["incarnations"],
+        "wall_s": result["wall_s"],
+    }
     (work / "chaos.json").write_text(json.dumps(summary, indent=1))
     sys.exit(0 if all(ok for _, ok, _ in checks) and len(result["faults"]) >= args.faults else 1)
 

@@ -40,8 +40,12 @@ async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int
     async with aiohttp.ClientSession(base_url=base_url) as http:
 
         async def one(text: str) -> int:
-            body = {"model": SERVED_MODEL_NAME, "messages": prompt_messages(text), "temperature": 1.0,
-                    "max_tokens": max_tokens}  # fmt: skip
+            body = {
+                "model": SERVED_MODEL_NAME,
+                "messages": prompt_messages(text),
+                "temperature": 1.0,
+                "max_tokens": max_tokens,
+            }
             async with http.post("/v1/chat/completions", json=body) as r:
                 r.raise_for_status()
                 return (await r.json())["usage"]["completion_tokens"]
@@ -76,22 +80,34 @@ async def overhead(cfg, rounds: int) -> None:
             if r:
                 raw_rates.append(tokens / seconds)
                 ours_rates.append(ours_tokens / ours_s)
-            print(f"round {r}{' (warm-up)' if not r else ''}: raw {tokens} tokens in {seconds:.2f}s, "
-                  f"primerl {ours_tokens} tokens in {ours_s:.2f}s", flush=True)  # fmt: skip
+            print(
+                f"round {r}{' (warm-up)' if not r else ''}: raw {tokens} tokens in {seconds:.2f}s, "
+                f"primerl {ours_tokens} tokens in {ours_s:.2f}s",
+                flush=True,
+            )
     raw, ours = statistics.median(raw_rates), statistics.median(ours_rates)
-    print(f"\ncompletion tokens/s (median of {rounds}): raw vLLM {raw:.0f}, through primerl {ours:.0f}, "
-          f"ratio {ours / raw:.2f} ({(1 - ours / raw):+.0%} overhead)")  # fmt: skip
-    print(f"orchestrator CPU per rollout (median): {statistics.median(cpu_ms[1:]):.0f} ms (verifiers rollout, "
-          "interception, rendering, train client, scoring)")  # fmt: skip
+    print(
+        f"\ncompletion tokens/s (median of {rounds}): raw vLLM {raw:.0f}, through primerl {ours:.0f}, "
+        f"ratio {ours / raw:.2f} ({(1 - ours / raw):+.0%} overhead)"
+    )
+    print(
+        f"orchestrator CPU per rollout (median): {statistics.median(cpu_ms[1:]):.0f} ms (verifiers rollout, "
+        "interception, rendering, train client, scoring)"
+    )
 
 
 def arch_overrides(hidden: int) -> list[str]:
     """A tiny Qwen3 of width `hidden` (4 layers), randomly initialised with HF's std 0.02, as every figure of these
     benchmarks was measured (reverse_text's own model now starts at 0.08)."""
     heads = max(4, hidden // 64)
-    return [f"model.arch.hidden_size={hidden}", f"model.arch.intermediate_size={3 * hidden}",
-            f"model.arch.num_attention_heads={heads}", "model.arch.num_key_value_heads=2",
-            f"model.arch.head_dim={hidden // heads}", "model.arch.initializer_range=0.02"]  # fmt: skip
+    return [
+        f"model.arch.hidden_size={hidden}",
+        f"model.arch.intermediate_size={3 * hidden}",
+        f"model.arch.num_attention_heads={heads}",
+        "model.arch.num_key_value_heads=2",
+        f"model.arch.head_dim={hidden // heads}",
+        "model.arch.initializer_range=0.02",
+    ]
 
 
 async def reload_times(base_url: str, published: Path, repeats: int) -> list[float]:
@@ -102,8 +118,15 @@ async def reload_times(base_url: str, published: Path, repeats: int) -> list[flo
 def weight_update(sizes: list[int], root: Path) -> None:
     print(f"\n{'hidden':>6} {'params':>10} {'MB':>7} {'reload s (median of 5)':>23}")
     for hidden in sizes:
-        cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"cache_dir={root / 'cache'}",
-                     f"output_dir={root}", *arch_overrides(hidden)])  # fmt: skip
+        cfg = check(
+            [
+                "+experiment=reverse_text",
+                f"inference.port={free_port()}",
+                f"cache_dir={root / 'cache'}",
+                f"output_dir={root}",
+                *arch_overrides(hidden),
+            ]
+        )
         model_dir = base_model_path(cfg)
         from safetensors.torch import load_file
 
@@ -123,8 +146,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--skip-overhead", action="store_true")
-    parser.add_argument("--hidden", type=int, default=0, help="overhead on a random tiny Qwen3 of this width "
-                        "instead of the SFT checkpoint (its rollouts run to --max-tokens)")  # fmt: skip
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=0,
+        help="overhead on a random tiny Qwen3 of this width "
+        "instead of the SFT checkpoint (its rollouts run to --max-tokens)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="primerl-bench-"))

@@ -53,18 +53,35 @@ def overrides(mode: str, args, model: str | None, async_level: int, max_off: int
     # the SFT checkpoint plays as trained; the random model may write only lowercase letters (no EOS: every answer runs
     # to max_tokens, and its text re-renders to the same tokens, so a multi-turn episode stays one sample)
     start = ["model.source=path", f"model.path={model}"] if model else [LETTERS_ONLY]
-    return ["+experiment=reverse_text", "env=long_tail", "sft.enabled=false", *start, f"trainer.max_steps={args.steps}",
-            f"orchestrator.batch_size={args.batch}", "orchestrator.group_size=8",
-            f"orchestrator.async_level={async_level}", f"orchestrator.max_off_policy_steps={max_off}",
-            f"orchestrator.max_tokens={args.max_tokens}", f"env.args.max_turns={args.max_turns}",
-            *[f"{key}={args.context}" for key in CONTEXT_KEYS], f"inference.port={free_port()}",
-            "ledger.enabled=false", *extra, *args.overrides]  # fmt: skip
+    return [
+        "+experiment=reverse_text",
+        "env=long_tail",
+        "sft.enabled=false",
+        *start,
+        f"trainer.max_steps={args.steps}",
+        f"orchestrator.batch_size={args.batch}",
+        "orchestrator.group_size=8",
+        f"orchestrator.async_level={async_level}",
+        f"orchestrator.max_off_policy_steps={max_off}",
+        f"orchestrator.max_tokens={args.max_tokens}",
+        f"env.args.max_turns={args.max_turns}",
+        *[f"{key}={args.context}" for key in CONTEXT_KEYS],
+        f"inference.port={free_port()}",
+        "ledger.enabled=false",
+        *extra,
+        *args.overrides,
+    ]
 
 
 def full_run(mode: str, args, model: str | None, run_dir: Path) -> tuple[list[dict], float]:
     """`primerl.train`: inference, orchestrator and trainer; samples/s = what the trainer trained per second."""
-    cmd = [sys.executable, "-m", "primerl.train", *overrides(mode, args, model, ASYNC_LEVEL, args.max_off),
-           f"hydra.run.dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "primerl.train",
+        *overrides(mode, args, model, ASYNC_LEVEL, args.max_off),
+        f"hydra.run.dir={run_dir}",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{mode} failed:\n{result.stderr[-3000:]}")
@@ -79,8 +96,12 @@ def generation_run(mode: str, args, model: str | None, run_dir: Path) -> tuple[l
     does to generation, as where training has devices of its own. samples/s = batches cut per second."""
     args_ = [*overrides(mode, args, model, args.steps, args.steps), f"output_dir={run_dir}"]
     port = int(next(a for a in args_ if a.startswith("inference.port=")).split("=")[1])
-    server = subprocess.Popen([sys.executable, "-m", "primerl.inference", *args_, f"hydra.run.dir={run_dir}/logs/inf"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "primerl.inference", *args_, f"hydra.run.dir={run_dir}/logs/inf"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not _healthy(port):
@@ -127,13 +148,17 @@ def table(title: str, results: dict[str, dict[str, float]], off_policy: bool) ->
         f"\n{title}\nepisode shape (lock-step, median over batches): rollout median {lock['rollout_median']:.2f}s, "
         f"p90 {lock['rollout_p90']:.2f}s, max {lock['rollout_max']:.2f}s; max/median {lock['max_over_median']:.1f}x"
     )
-    print(f"{'mode':>10} {'samples/s':>10} {'ratio':>6} {'idle':>6} {'off-policy mean/max':>20} {'cancelled':>10} "
-          f"{'dropped':>8} {'reward':>7} {'wall s':>7}")  # fmt: skip
+    print(
+        f"{'mode':>10} {'samples/s':>10} {'ratio':>6} {'idle':>6} {'off-policy mean/max':>20} {'cancelled':>10} "
+        f"{'dropped':>8} {'reward':>7} {'wall s':>7}"
+    )
     for mode, r in results.items():
         lag = f"{r['off_mean']:>13.2f} / {r['off_max']:<4.0f}" if off_policy else f"{'(no updates)':>20}"
-        print(f"{mode:>10} {r['samples_per_s']:>10.2f} {r['samples_per_s'] / lock['samples_per_s']:>6.2f} "
-              f"{r['idle']:>6.1%} {lag} {r['cancelled']:>10.0f} {r['dropped']:>8.0f} {r['reward']:>7.3f} "
-              f"{r['wall']:>7.0f}")  # fmt: skip
+        print(
+            f"{mode:>10} {r['samples_per_s']:>10.2f} {r['samples_per_s'] / lock['samples_per_s']:>6.2f} "
+            f"{r['idle']:>6.1%} {lag} {r['cancelled']:>10.0f} {r['dropped']:>8.0f} {r['reward']:>7.3f} "
+            f"{r['wall']:>7.0f}"
+        )
 
 
 def main() -> None:
@@ -144,8 +169,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24, help="per turn")
     parser.add_argument("--max-turns", type=int, default=16, help="the tail episodes' length")
     parser.add_argument("--context", type=int, default=1024, help="tokens: max_model_len and trainer.seq_len")
-    parser.add_argument("--sft", action="store_true", help="play with the reverse-text SFT checkpoint (answers of ~7 "
-                        "tokens) instead of the random tiny model (answers run to --max-tokens)")  # fmt: skip
+    parser.add_argument(
+        "--sft",
+        action="store_true",
+        help="play with the reverse-text SFT checkpoint (answers of ~7 "
+        "tokens) instead of the random tiny model (answers run to --max-tokens)",
+    )
     parser.add_argument("--variants", nargs="+", default=["full", "generation"], choices=["full", "generation"])
     parser.add_argument("--keep", type=Path, help="keep the two run directories under this directory")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
@@ -153,8 +182,10 @@ def main() -> None:
     model = initial_model_path(check(["+experiment=reverse_text"])) if args.sft else None
     if model and not Path(model).exists():
         raise SystemExit(f"no SFT checkpoint at {model}: run `make sft` (or `make train`) first")
-    variants = {"full": (full_run, "training and inference on the same 2 cores (primerl.train)"),
-                "generation": (generation_run, "generation only (no trainer; async_level never binds)")}  # fmt: skip
+    variants = {
+        "full": (full_run, "training and inference on the same 2 cores (primerl.train)"),
+        "generation": (generation_run, "generation only (no trainer; async_level never binds)"),
+    }
     with tempfile.TemporaryDirectory(prefix="primerl-longtail-") as tmp:
         root = args.keep or Path(tmp)
         for variant in args.variants:

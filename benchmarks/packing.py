@@ -32,8 +32,14 @@ def sequences(n: int) -> list[dict[str, list]]:
     out = []
     for i, text in enumerate(make_texts(1234, n)):
         ex = chat_example(tok, prompt_messages(text), text[::-1])
-        out.append({"input_ids": ex.input_ids, "loss_mask": ex.loss_mask, "inference_logprobs": [-1.0] * len(ex.input_ids),
-                    "advantages": [1.0 if i % 2 else -1.0] * len(ex.input_ids)})  # fmt: skip
+        out.append(
+            {
+                "input_ids": ex.input_ids,
+                "loss_mask": ex.loss_mask,
+                "inference_logprobs": [-1.0] * len(ex.input_ids),
+                "advantages": [1.0 if i % 2 else -1.0] * len(ex.input_ids),
+            }
+        )
     return out
 
 
@@ -82,8 +88,10 @@ def main() -> None:
     seqs = sequences(args.samples)
     real = sum(len(s["input_ids"]) for s in seqs)
     loss_tokens = sum(sum(s["loss_mask"][1:]) for s in seqs)
-    print(f"{args.samples} samples, {real} real tokens (mean length {real / len(seqs):.1f}), seq_len {args.seq_len}, "
-          f"{args.rows} row(s) per micro-batch, {torch.get_num_threads()} threads; best of {args.repeats}")  # fmt: skip
+    print(
+        f"{args.samples} samples, {real} real tokens (mean length {real / len(seqs):.1f}), seq_len {args.seq_len}, "
+        f"{args.rows} row(s) per micro-batch, {torch.get_num_threads()} threads; best of {args.repeats}"
+    )
     print(
         f"{'layout':<10} {'rows':>6} {'computed':>9} {'padding':>8} {'seconds':>8} {'real tok/s':>11} {'time vs packed':>15}"
     )
@@ -93,8 +101,10 @@ def main() -> None:
         seconds = min(run(model, micro, loss_tokens) for _ in range(args.repeats))
         results[name] = seconds
         rows = sum(len(mb["input_ids"]) for mb in micro)
-        print(f"{name:<10} {rows:>6} {computed:>9} {1 - real / computed:>8.1%} {seconds:>8.2f} {real / seconds:>11.0f} "
-              f"{results['packed'] and seconds / results['packed']:>14.2f}x")  # fmt: skip
+        print(
+            f"{name:<10} {rows:>6} {computed:>9} {1 - real / computed:>8.1%} {seconds:>8.2f} {real / seconds:>11.0f} "
+            f"{results['packed'] and seconds / results['packed']:>14.2f}x"
+        )
 
 
 if __name__ == "__main__":

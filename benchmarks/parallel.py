@@ -25,8 +25,13 @@ from primerl.orchestrator.batch import build_batch
 from primerl.sft.data import chat_example
 from primerl.transport.batches import Sample, write_rollout_batch
 
-LAYOUTS = [("tiny", "fsdp2", 1), ("tiny", "fsdp2", 2), ("tiny", "fsdp2_cp", 2), ("tiny_moe", "fsdp2", 1),
-           ("tiny_moe", "fsdp2_ep", 2)]  # fmt: skip
+LAYOUTS = [
+    ("tiny", "fsdp2", 1),
+    ("tiny", "fsdp2", 2),
+    ("tiny", "fsdp2_cp", 2),
+    ("tiny_moe", "fsdp2", 1),
+    ("tiny_moe", "fsdp2_ep", 2),
+]
 
 
 def batch_samples(n: int) -> list[Sample]:
@@ -56,10 +61,23 @@ def main() -> None:
                         samples, step, seq_len=512, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1
                     ),
                 )
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "primerl.trainer", "+experiment=reverse_text", "sft.enabled=false", f"model={model}",
-                   f"parallelism={layout}", f"trainer.max_steps={args.steps}", f"output_dir={run}",
-                   f"hydra.run.dir={run}/logs", f"cache_dir={root}/cache"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                "-m",
+                "primerl.trainer",
+                "+experiment=reverse_text",
+                "sft.enabled=false",
+                f"model={model}",
+                f"parallelism={layout}",
+                f"trainer.max_steps={args.steps}",
+                f"output_dir={run}",
+                f"hydra.run.dir={run}/logs",
+                f"cache_dir={root}/cache",
+            ]
             result = subprocess.run(
                 cmd,
                 capture_output=True,

@@ -35,8 +35,9 @@ def trl_python() -> Path:
     if not python.exists():
         print(f"creating {TRL_VENV} (torch 2.13 CPU, trl, datasets) ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl", "datasets", "accelerate"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl", "datasets", "accelerate"], check=True
+        )
     return python
 
 
@@ -46,8 +47,18 @@ def trl_versions(python: Path) -> str:
 
 
 def score(model_dir: Path, output_dir: Path, overrides: list[str]) -> str:
-    cfg = check(["+experiment=reverse_text", "eval.num_tasks=512", "eval.samples_per_task=1", "eval.k=1",
-                 "eval.temperature=1.0", f"output_dir={output_dir}", "ledger.enabled=false", *overrides])  # fmt: skip
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            "eval.num_tasks=512",
+            "eval.samples_per_task=1",
+            "eval.k=1",
+            "eval.temperature=1.0",
+            f"output_dir={output_dir}",
+            "ledger.enabled=false",
+            *overrides,
+        ]
+    )
     result = evaluate(cfg, str(model_dir))
     return f"{result['reward_mean']:.4f} ± {result['reward_stderr']:.4f}"
 
@@ -68,9 +79,18 @@ def main() -> None:
     python = trl_python()
     with tempfile.TemporaryDirectory(prefix="primerl-peer-") as root:
         run = Path(root) / "primerl"
-        cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", f"trainer.max_steps={args.steps}",
-               f"trainer.optim.lr={args.lr}", f"inference.port={free_port()}", f"hydra.run.dir={run}",
-               "ledger.enabled=false", *overrides]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "primerl.train",
+            "+experiment=reverse_text",
+            f"trainer.max_steps={args.steps}",
+            f"trainer.optim.lr={args.lr}",
+            f"inference.port={free_port()}",
+            f"hydra.run.dir={run}",
+            "ledger.enabled=false",
+            *overrides,
+        ]
         print(f"primerl: {args.steps} steps ...", flush=True)
         started = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -80,18 +100,32 @@ def main() -> None:
         print(f"TRL GRPOTrainer: {args.steps} steps ...", flush=True)
         trl_out = Path(root) / "trl"
         started = time.perf_counter()
-        result = subprocess.run([str(python), str(ROOT / "benchmarks" / "trl_grpo.py"), str(start), str(trl_out),
-                                 f"--steps={args.steps}", "--batch=64", "--group=8", f"--lr={args.lr}",
-                                 f"--max-tokens={args.max_tokens}"],
-                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
+        result = subprocess.run(
+            [
+                str(python),
+                str(ROOT / "benchmarks" / "trl_grpo.py"),
+                str(start),
+                str(trl_out),
+                f"--steps={args.steps}",
+                "--batch=64",
+                "--group=8",
+                f"--lr={args.lr}",
+                f"--max-tokens={args.max_tokens}",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": ""},
+        )
         trl_wall = time.perf_counter() - started
         if result.returncode != 0:
             sys.exit(f"TRL run failed:\n{result.stderr[-3000:]}")
         trl_train_s = json.loads(result.stdout.strip().splitlines()[-1])["wall_s"]
         scored = Path(root) / "eval"
-        rows = [("start", None, None, score(start, scored / "start", overrides)),
-                ("primerl", primerl_wall, None, score(weights_path(run, args.steps), scored / "primerl", overrides)),
-                ("TRL GRPOTrainer", trl_wall, trl_train_s, score(trl_out, scored / "trl", overrides))]  # fmt: skip
+        rows = [
+            ("start", None, None, score(start, scored / "start", overrides)),
+            ("primerl", primerl_wall, None, score(weights_path(run, args.steps), scored / "primerl", overrides)),
+            ("TRL GRPOTrainer", trl_wall, trl_train_s, score(trl_out, scored / "trl", overrides)),
+        ]
     model = f"random Qwen3 of hidden {args.hidden}" if args.hidden else "the SFT checkpoint"
     print(
         f"\n{args.steps} steps x 64 samples of up to {args.max_tokens} tokens from {model}, lr {args.lr}, "

@@ -37,8 +37,9 @@ async def samples_per_s(cfg, env, clients, tasks, n_tasks: int, group: int) -> t
     orch = cfg.orchestrator
     model = initial_model_path(cfg)
     replicas = Replicas(clients)
-    runners = [env_runner(env, model, cfg.inference, orch.temperature, orch.max_tokens, None, c.base_url)
-               for c in clients]  # fmt: skip
+    runners = [
+        env_runner(env, model, cfg.inference, orch.temperature, orch.max_tokens, None, c.base_url) for c in clients
+    ]
     runner = ReplicaRunner(runners, replicas)
     batch = list(itertools.islice(tasks, n_tasks))
     started = time.perf_counter()
@@ -59,11 +60,16 @@ async def bench(cfg, clients: list[InferenceClient], rounds: int, n_tasks: int, 
                 rate, ok = await samples_per_s(cfg, env, clients[:n], tasks, n_tasks, group)
                 if r:
                     rates[n].append(rate)
-                print(f"round {r}{' (warm-up)' if not r else ''}: {n} replica{'s' if n > 1 else ''}: {ok} samples, "
-                      f"{rate:.2f} samples/s", flush=True)  # fmt: skip
+                print(
+                    f"round {r}{' (warm-up)' if not r else ''}: {n} replica{'s' if n > 1 else ''}: {ok} samples, "
+                    f"{rate:.2f} samples/s",
+                    flush=True,
+                )
     one, two = statistics.median(rates[1]), statistics.median(rates[2])
-    print(f"\nsamples/s (median of {rounds}; range): 1 replica {one:.2f} ({min(rates[1]):.2f}-{max(rates[1]):.2f}), "
-          f"2 replicas {two:.2f} ({min(rates[2]):.2f}-{max(rates[2]):.2f}), ratio {two / one:.2f}x")  # fmt: skip
+    print(
+        f"\nsamples/s (median of {rounds}; range): 1 replica {one:.2f} ({min(rates[1]):.2f}-{max(rates[1]):.2f}), "
+        f"2 replicas {two:.2f} ({min(rates[2]):.2f}-{max(rates[2]):.2f}), ratio {two / one:.2f}x"
+    )
     version = itertools.count(1)
     for n in (1, 2):
         times = []
@@ -72,8 +78,10 @@ async def bench(cfg, clients: list[InferenceClient], rounds: int, n_tasks: int, 
             started = time.perf_counter()
             await asyncio.gather(*(c.load_weights(published, v) for c in clients[:n]))
             times.append(time.perf_counter() - started)
-        print(f"weight update into {n} replica{'s' if n > 1 else ''} at once: median {statistics.median(times):.3f} s "
-              f"(range {min(times):.3f}-{max(times):.3f})")  # fmt: skip
+        print(
+            f"weight update into {n} replica{'s' if n > 1 else ''} at once: median {statistics.median(times):.3f} s "
+            f"(range {min(times):.3f}-{max(times):.3f})"
+        )
 
 
 def main() -> None:
@@ -84,9 +92,18 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=16)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="primerl-replicas-"))
-    cfg = check(["+experiment=reverse_text", "sft.enabled=false", f"cache_dir={root / 'cache'}", f"output_dir={root}",
-                 f"inference.port={free_port(count=2)}", "inference.replicas=2", *arch_overrides(args.hidden),
-                 f"orchestrator.max_tokens={args.max_tokens}"])  # fmt: skip
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            "sft.enabled=false",
+            f"cache_dir={root / 'cache'}",
+            f"output_dir={root}",
+            f"inference.port={free_port(count=2)}",
+            "inference.replicas=2",
+            *arch_overrides(args.hidden),
+            f"orchestrator.max_tokens={args.max_tokens}",
+        ]
+    )
     model = initial_model_path(cfg)
     from safetensors.torch import load_file
 

@@ -26,10 +26,23 @@ from pathlib import Path
 from primerl.metrics import ORCHESTRATOR, TRAINER, read_metrics
 from primerl.utils.process import free_port
 
-TRAINER_PHASES = ["time/wait_batch_s", "time/read_batch_s", "time/forward_s", "time/backward_s", "time/optimizer_s",
-                  "time/checkpoint_s", "time/publish_s"]  # fmt: skip
-ORCHESTRATOR_PHASES = ["time/generate_s", "time/wait_policy_s", "time/weight_load_s", "time/write_batch_s",
-                       "time/rollout_median_s", "inference/idle_fraction"]  # fmt: skip
+TRAINER_PHASES = [
+    "time/wait_batch_s",
+    "time/read_batch_s",
+    "time/forward_s",
+    "time/backward_s",
+    "time/optimizer_s",
+    "time/checkpoint_s",
+    "time/publish_s",
+]
+ORCHESTRATOR_PHASES = [
+    "time/generate_s",
+    "time/wait_policy_s",
+    "time/weight_load_s",
+    "time/write_batch_s",
+    "time/rollout_median_s",
+    "inference/idle_fraction",
+]
 STEP_WALL = "step wall (row gap)"
 MEAN_STEP = "step wall (mean over the span)"
 COMMAND = "whole command"
@@ -37,9 +50,18 @@ COMMAND = "whole command"
 
 def run(steps: int, overrides: list[str], run_dir: Path) -> dict[str, list[float]]:
     """One real train run; each phase's values over its steps, by name (process/phase)."""
-    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", f"trainer.max_steps={steps}",
-           "eval.every=0", "ledger.enabled=false", f"inference.port={free_port()}", f"hydra.run.dir={run_dir}",
-           *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "primerl.train",
+        "+experiment=reverse_text",
+        f"trainer.max_steps={steps}",
+        "eval.every=0",
+        "ledger.enabled=false",
+        f"inference.port={free_port()}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
     started = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -47,10 +69,13 @@ def run(steps: int, overrides: list[str], run_dir: Path) -> dict[str, list[float
     command_s = time.perf_counter() - started
     print(f"  {steps} steps in {command_s:.0f} s (whole command, vLLM start-up included)")
     trainer, orch = read_metrics(run_dir, TRAINER), read_metrics(run_dir, ORCHESTRATOR)
-    phases = {f"trainer {k.removeprefix('time/')}": [r[k] for r in trainer if r.get(k) is not None]
-              for k in TRAINER_PHASES}  # fmt: skip
-    phases |= {f"orchestrator {k.removeprefix('time/')}": [r[k] for r in orch if r.get(k) is not None]
-               for k in ORCHESTRATOR_PHASES}  # fmt: skip
+    phases = {
+        f"trainer {k.removeprefix('time/')}": [r[k] for r in trainer if r.get(k) is not None] for k in TRAINER_PHASES
+    }
+    phases |= {
+        f"orchestrator {k.removeprefix('time/')}": [r[k] for r in orch if r.get(k) is not None]
+        for k in ORCHESTRATOR_PHASES
+    }
     phases[STEP_WALL] = [b["time"] - a["time"] for a, b in zip(trainer, trainer[1:])]
     phases[COMMAND] = [command_s]
     return phases

@@ -42,22 +42,50 @@ def main() -> None:
     texts = make_texts(stream_seed(args.seed, "rl", 0), args.steps * args.batch // args.group)
     data = Dataset.from_list([{"prompt": prompt_messages(t), "text": t} for t in texts])
     config = GRPOConfig(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch,
-        num_generations=args.group, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        beta=0.0, temperature=1.0, max_completion_length=args.max_tokens, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=True, seed=args.seed, optim=args.optim, adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
-    )  # fmt: skip
+        output_dir=args.out,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=args.group,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,
+        temperature=1.0,
+        max_completion_length=args.max_tokens,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=args.seed,
+        optim=args.optim,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+    )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), reward_funcs=lcs_reward,
-                          args=config, train_dataset=data, processing_class=tokenizer)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(args.model),
+        reward_funcs=lcs_reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     started = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - started
     trainer.save_model(args.out)
     tokenizer.save_pretrained(args.out)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    print(json.dumps({"wall_s": wall, "first_reward": rewards[0] if rewards else None,
-                      "last_reward": rewards[-1] if rewards else None}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "first_reward": rewards[0] if rewards else None,
+                "last_reward": rewards[-1] if rewards else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,22 +51,37 @@ def eval_metrics(runs: list) -> list[str]:
 
 def table(runs: list, keys: list[str]) -> str:
     evals = eval_metrics(runs)
-    header = ["run", "status", *keys, *(m.split("/", 1)[-1] for m in FINAL_METRICS),
-              *(f"eval {m.split('/')[1]}" for m in evals),
-              *(p.removeprefix("sft.result.") + " (sft)" for p in RESULT_PARAMS)]  # fmt: skip
+    header = [
+        "run",
+        "status",
+        *keys,
+        *(m.split("/", 1)[-1] for m in FINAL_METRICS),
+        *(f"eval {m.split('/')[1]}" for m in evals),
+        *(p.removeprefix("sft.result.") + " (sft)" for p in RESULT_PARAMS),
+    ]
     rows = [header]
     for r in runs:
         metrics = [f"{r.data.metrics[m]:.4g}" if m in r.data.metrics else "-" for m in (*FINAL_METRICS, *evals)]
-        rows.append([r.info.run_name or r.info.run_id[:8], r.info.status, *(r.data.params.get(k, "-") for k in keys),
-                     *metrics, *(r.data.params.get(p, "-") for p in RESULT_PARAMS)])  # fmt: skip
+        rows.append(
+            [
+                r.info.run_name or r.info.run_id[:8],
+                r.info.status,
+                *(r.data.params.get(k, "-") for k in keys),
+                *metrics,
+                *(r.data.params.get(p, "-") for p in RESULT_PARAMS),
+            ]
+        )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primerl.compare", description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="examples:\n" + __doc__.split("\n\n")[2])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m primerl.compare",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + __doc__.split("\n\n")[2],
+    )
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: the sqlite store in --store-dir)")
     parser.add_argument(
         "--store-dir", default="outputs", help="where the embedded store mlflow.db lives (default: %(default)s)"

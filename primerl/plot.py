@@ -8,8 +8,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, title: str = "",
-                ylabel: str = "mean reward") -> Path:  # fmt: skip
+def plot_curves(
+    curves: dict[str, list[tuple[int, float]]], path: str | Path, title: str = "", ylabel: str = "mean reward"
+) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for label, points in curves.items():
         if points:

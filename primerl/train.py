@@ -56,9 +56,13 @@ def main(dict_cfg: DictConfig) -> None:
             from primerl.ledger.mlflow_ledger import Ledger
 
             multirun = hydra_cfg.mode == RunMode.MULTIRUN
-            ledger = Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve(),
-                                 sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
-                                 job_num=hydra_cfg.job.num if multirun else None)  # fmt: skip
+            ledger = Ledger.open(
+                cfg,
+                dict_cfg,
+                Path(cfg.output_dir).resolve(),
+                sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
+                job_num=hydra_cfg.job.num if multirun else None,
+            )
             log.info(f"ledger run {ledger.run_id} in {ledger.client.tracking_uri}")
             if ledger.url():
                 log.info(f"ledger run page: {ledger.url()}")

@@ -41,16 +41,31 @@ def slurm_cluster():
         subprocess.run([str(SLURM_CLUSTER), "stop"], capture_output=True, timeout=120, env=env)
 
 
-def run_module(module: str, *args: str, timeout: float = 600, env: dict | None = None,
-               torchrun: int = 0) -> subprocess.CompletedProcess:  # fmt: skip
+def run_module(
+    module: str, *args: str, timeout: float = 600, env: dict | None = None, torchrun: int = 0
+) -> subprocess.CompletedProcess:
     """Run `python -m module args` (or under torchrun with N processes) from the repo root."""
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
-               "-m", module, *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={torchrun}",
+            "-m",
+            module,
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", module, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def sweep_children(store: Path, sweep: Path, lrs: list[str]) -> list:

@@ -205,8 +205,11 @@ def test_every_field_of_the_schema_refuses_bad_values_in_one_line(capsys):
 
 def test_a_bad_value_through_the_real_command_line():
     """The same check on the real entry points (a sample; the walk above runs the same code in-process)."""
-    for module, override in (("primerl.train", "inference.port=70000"), ("primerl.trainer", "model.arch.hidden_size=x"),
-                             ("primerl.orchestrator", "orchestrator.nope=1")):  # fmt: skip
+    for module, override in (
+        ("primerl.train", "inference.port=70000"),
+        ("primerl.trainer", "model.arch.hidden_size=x"),
+        ("primerl.orchestrator", "orchestrator.nope=1"),
+    ):
         result = run_module(module, override, timeout=120)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert result.stderr.startswith(f"primerl: config error: {override.split('=')[0]}"), result.stderr

@@ -49,13 +49,28 @@ def test_eval_of_an_env_by_id_on_its_held_out_split(cache_dir, tmp_path):
     from primerl.model.resolve import base_model_path
 
     model = base_model_path(check(["+experiment=reverse_text"]))
-    common = ["+experiment=reverse_text", f"eval.model={model}", "eval.num_tasks=24", "eval.samples_per_task=3",
-              "eval.k=2", "inference.port=0", f"ledger.store_dir={tmp_path / 'ledger'}"]  # fmt: skip
+    common = [
+        "+experiment=reverse_text",
+        f"eval.model={model}",
+        "eval.num_tasks=24",
+        "eval.samples_per_task=3",
+        "eval.k=2",
+        "inference.port=0",
+        f"ledger.store_dir={tmp_path / 'ledger'}",
+    ]
     env = {"PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "by_id"
-    result = run_module("primerl.eval", *common, "env=verifiers", "env.id=faulty-reverse-text",
-                        "+env.eval_args.stream=eval", "orchestrator.rollout_timeout_s=20", "eval.max_inflight=24",
-                        f"hydra.run.dir={out}", env=env)  # fmt: skip
+    result = run_module(
+        "primerl.eval",
+        *common,
+        "env=verifiers",
+        "env.id=faulty-reverse-text",
+        "+env.eval_args.stream=eval",
+        "orchestrator.rollout_timeout_s=20",
+        "eval.max_inflight=24",
+        f"hydra.run.dir={out}",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "eval.json").read_text())
     assert summary["tasks"] == 24 and summary["rollouts"] + summary["failures"] == 72
@@ -72,7 +87,10 @@ def test_eval_of_an_env_by_id_on_its_held_out_split(cache_dir, tmp_path):
     assert run.data.metrics["eval/faulty-reverse-text/reward_mean"] == pytest.approx(summary["reward_mean"])
     assert "eval/faulty-reverse-text/pass_at_2" in run.data.metrics
 
-    for bad, key in ((["eval.model=null"], "eval.model: give exactly one of"), (["eval.k=5"], "eval.k: 5 exceeds"),
-                     ([f"eval.model={tmp_path}"], "is not a Hugging Face model directory")):  # fmt: skip
+    for bad, key in (
+        (["eval.model=null"], "eval.model: give exactly one of"),
+        (["eval.k=5"], "eval.k: 5 exceeds"),
+        ([f"eval.model={tmp_path}"], "is not a Hugging Face model directory"),
+    ):
         result = run_module("primerl.eval", *common, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert result.returncode == 2 and key in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -38,8 +38,13 @@ def _vllm_pids(port: int) -> list[int]:
 
 def _start_inference(args: list[str], env: dict, run) -> subprocess.Popen:
     log = open(run / "inference-test.log", "ab")  # noqa: SIM115 - closed with the process
-    process = subprocess.Popen([sys.executable, "-m", "primerl.inference", *args, f"hydra.run.dir={run}/logs/inf"],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "primerl.inference", *args, f"hydra.run.dir={run}/logs/inf"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     return process
 
 
@@ -67,8 +72,9 @@ def _publish(run, version: int, model_path: str) -> None:
 
 def _served_version(port: int) -> int | None:
     try:
-        r = httpx.post(f"http://127.0.0.1:{port}/collective_rpc", json={"method": "primerl_get_policy_version"},
-                       timeout=5)  # fmt: skip
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/collective_rpc", json={"method": "primerl_get_policy_version"}, timeout=5
+        )
         return int(r.json()["results"][0]) if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError, KeyError):
         return None
@@ -97,15 +103,33 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
     (primerl.utils.liveness), not kill more."""
     run, port, steps, async_level = tmp_path / "faults", free_port(count=REPLICAS), 8, 2
     run.mkdir()
-    args = ["+experiment=reverse_text", "sft.enabled=false", "env=verifiers", "env.id=faulty-reverse-text",
-            "orchestrator.batch_size=32", "orchestrator.group_size=4", f"orchestrator.rollout_timeout_s={TIMEOUT_S}",
-            f"trainer.max_steps={steps}", f"orchestrator.async_level={async_level}", "eval.every=0",
-            f"inference.port={port}", f"inference.replicas={REPLICAS}", f"output_dir={run}",
-            "env.workers=2", "+env.args.process_faults=true", "+env.args.block_s=3600", "env.worker_timeout_s=10",
-            "env.worker_grace_s=20", f"+env.args.fault_dir={run}",
-            "ledger.enabled=false"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    args = [
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        "env=verifiers",
+        "env.id=faulty-reverse-text",
+        "orchestrator.batch_size=32",
+        "orchestrator.group_size=4",
+        f"orchestrator.rollout_timeout_s={TIMEOUT_S}",
+        f"trainer.max_steps={steps}",
+        f"orchestrator.async_level={async_level}",
+        "eval.every=0",
+        f"inference.port={port}",
+        f"inference.replicas={REPLICAS}",
+        f"output_dir={run}",
+        "env.workers=2",
+        "+env.args.process_faults=true",
+        "+env.args.block_s=3600",
+        "env.worker_timeout_s=10",
+        "env.worker_grace_s=20",
+        f"+env.args.fault_dir={run}",
+        "ledger.enabled=false",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
     inference = _start_inference(args, env, run)
     inference_log, orchestrator_log = run / "inference-test.log", run / "orchestrator-test.log"
     orchestrator = None
@@ -120,9 +144,13 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
         assert served, "the inference process did not log what it serves"
         model_path = served.group(1)
         with open(orchestrator_log, "wb") as out:
-            orchestrator = subprocess.Popen([sys.executable, "-m", "primerl.orchestrator", *args,
-                                             f"hydra.run.dir={run}/logs/orch"], cwd=ROOT, env=env, stdout=out,
-                                            stderr=subprocess.STDOUT)  # fmt: skip
+            orchestrator = subprocess.Popen(
+                [sys.executable, "-m", "primerl.orchestrator", *args, f"hydra.run.dir={run}/logs/orch"],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         _wait_for(lambda: rollout_path(run, 0).exists(), "batch 0", orchestrator)
         # crash: kill -9 replica 0's vLLM while rollouts are in flight
         for pid in _vllm_pids(port):

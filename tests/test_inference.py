@@ -32,8 +32,15 @@ API_KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("run")  # the server loads weights only from <run>/weights
-    cfg = check(["+experiment=reverse_text", f"inference.port={free_port()}", f"inference.api_key={API_KEY}",
-                 f"cache_dir={cache_dir}", f"output_dir={run}"])  # fmt: skip
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            f"inference.port={free_port()}",
+            f"inference.api_key={API_KEY}",
+            f"cache_dir={cache_dir}",
+            f"output_dir={run}",
+        ]
+    )
     model = base_model_path(cfg)
     (spec,) = render_specs(cfg, model, "cpu")
     assert API_KEY not in " ".join(spec.args)  # the key goes in the environment, not on a command line others can read
@@ -69,10 +76,16 @@ def _publish(srv, version: int, scale: float, seed: int):
 
 
 def _generate(srv, prompt_ids, max_tokens=8):
-    r = httpx.post(f"{srv.base_url}/inference/v1/generate", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": SERVED_MODEL_NAME, "token_ids": prompt_ids,
-                         "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
-                                             "ignore_eos": True}}, timeout=60)  # fmt: skip
+    r = httpx.post(
+        f"{srv.base_url}/inference/v1/generate",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": SERVED_MODEL_NAME,
+            "token_ids": prompt_ids,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
+        },
+        timeout=60,
+    )
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]], choice
@@ -93,8 +106,9 @@ def _reference(model_dir, prompt_ids, max_tokens=8):
 
 def test_openai_client_chat_and_completions(server):
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
-    chat = client.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "abc"}],
-                                          max_tokens=5, logprobs=True)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "abc"}], max_tokens=5, logprobs=True
+    )
     assert chat.choices[0].message.role == "assistant"
     assert len(chat.choices[0].logprobs.content) >= 1
     comp = client.completions.create(model=SERVED_MODEL_NAME, prompt="hello", max_tokens=4)
@@ -165,10 +179,25 @@ ADMIN_ROUTES = [  # (method, path, body): what primerl's orchestrator and tests 
     ("get", "/version", None),
 ]
 # dev-mode routes primerl does not use, and other vLLM extras: gone, with or without the key
-UNUSED_ROUTES = ["/sleep", "/wake_up", "/is_sleeping", "/update_weights", "/init_weight_transfer_engine",
-                 "/start_weight_update", "/finish_weight_update", "/update_weight_version", "/reset_prefix_cache",
-                 "/reset_mm_cache", "/server_info", "/abort_requests", "/start_profile", "/scale_elastic_ep",
-                 "/get_world_size", "/docs", "/openapi.json"]  # fmt: skip
+UNUSED_ROUTES = [
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/update_weights",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/server_info",
+    "/abort_requests",
+    "/start_profile",
+    "/scale_elastic_ep",
+    "/get_world_size",
+    "/docs",
+    "/openapi.json",
+]
 
 
 def test_every_route_but_health_needs_the_key(server):
@@ -255,17 +284,26 @@ def test_update_in_flight_keeps_requests_and_never_reuses_old_kv(server):
     on blocks computed by the old weights (its logprobs are the new weights'), while a repeat after the update does
     hit: the cache works, only across an update it is never shared."""
     tok = AutoTokenizer.from_pretrained(server.model_dir)
-    prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n",
-                        add_special_tokens=False)  # fmt: skip
+    prompt = tok.encode(
+        "<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     assert len(prompt) > 64  # several full KV blocks, so a prefix hit is possible at all
     version = _call(server, "policy_version")
 
     async def across_update():
         async with _client(server) as client, httpx.AsyncClient(timeout=300) as http:
-            body = {"model": SERVED_MODEL_NAME, "token_ids": prompt[:40],
-                    "sampling_params": {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
-            long = asyncio.create_task(http.post(f"{server.base_url}/inference/v1/generate", json=body,
-                                                 headers={"Authorization": f"Bearer {API_KEY}"}))  # fmt: skip
+            body = {
+                "model": SERVED_MODEL_NAME,
+                "token_ids": prompt[:40],
+                "sampling_params": {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True},
+            }
+            long = asyncio.create_task(
+                http.post(
+                    f"{server.base_url}/inference/v1/generate",
+                    json=body,
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                )
+            )
             await asyncio.sleep(0.3)  # running when the update starts
             assert not long.done()
             await client.load_weights(_publish(server, version + 1, 0.05, seed=version + 7), version + 1)
@@ -305,9 +343,19 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
         sys.path.insert(0, envs_dir)  # spawned workers get this process's sys.path
     from faulty_reverse_text import fault_of
 
-    cfg = check(["+experiment=reverse_text", "env=verifiers", "env.id=faulty-reverse-text", "env.workers=2",
-                 "+env.args.process_faults=true", "+env.args.block_s=3600", "env.worker_timeout_s=10",
-                 "env.worker_grace_s=30", f"inference.api_key={API_KEY}"])  # fmt: skip
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            "env=verifiers",
+            "env.id=faulty-reverse-text",
+            "env.workers=2",
+            "+env.args.process_faults=true",
+            "+env.args.block_s=3600",
+            "env.worker_timeout_s=10",
+            "env.worker_grace_s=30",
+            f"inference.api_key={API_KEY}",
+        ]
+    )
     env = load_env(cfg.env)
     by_fault: dict = {}
     for task in itertools.islice(iter(env.taskset), 400):
@@ -319,8 +367,14 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
         return len(entries) == 1 and isinstance(entries[0], Rollout)
 
     async def main():
-        pool = EnvWorkers("faulty", env_config(cfg.env), 2, cfg.env.worker_timeout_s, cfg.env.worker_grace_s,
-                          task_type=type(env.taskset).task_type())  # fmt: skip
+        pool = EnvWorkers(
+            "faulty",
+            env_config(cfg.env),
+            2,
+            cfg.env.worker_timeout_s,
+            cfg.env.worker_grace_s,
+            task_type=type(env.taskset).task_type(),
+        )
         async with pool:
             pids = [w.process.pid for w in pool.workers]
             assert all(ok(r) for r in await asyncio.gather(*(pool.run(ctx, t) for t in ok_tasks[:4])))

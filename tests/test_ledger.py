@@ -25,8 +25,12 @@ def _cfg(tmp_path, *overrides):
 
 
 def test_flatten_keeps_every_leaf():
-    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": {}}) == {"a.b": "1", "a.c.d": "x", "e": "[1, 2]",
-                                                                            "f": "{}"}  # fmt: skip
+    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": {}}) == {
+        "a.b": "1",
+        "a.c.d": "x",
+        "e": "[1, 2]",
+        "f": "{}",
+    }
 
 
 def test_run_record_and_resume_continue_the_same_run(tmp_path):
@@ -73,16 +77,29 @@ def _sample_row(step: int, turns: int) -> dict:
     messages = [{"role": "system", "content": "Find it.", "end": t0}, {"role": "user", "content": "go", "end": t0}]
     for turn in range(turns):
         start = t0 + 1 + 2 * turn
-        reply = {"role": "assistant", "content": f"answer {turn}", "start": start, "end": start + 1,
-                 "finish_reason": "stop"}  # fmt: skip
+        reply = {
+            "role": "assistant",
+            "content": f"answer {turn}",
+            "start": start,
+            "end": start + 1,
+            "finish_reason": "stop",
+        }
         if turn == 0:
             reply |= {"tool_calls": [{"name": "lookup", "arguments": '{"key": "x"}'}], "finish_reason": "tool_calls"}
             messages += [reply, {"role": "tool", "content": "x=3", "end": start + 1.5, "tool_call_id": "c0"}]
         else:
             messages += [reply, {"role": "user", "content": "again", "end": start + 1.5}]
-    return {"step": step, "task": f"t{step}", "prompt": "system: Find it.\nuser: go", "completion": "answer",
-            "reward": 0.5, "rewards": {}, "metrics": {"turns": float(turns)}, "policy_versions": [step, step + 1],
-            "messages": messages}  # fmt: skip
+    return {
+        "step": step,
+        "task": f"t{step}",
+        "prompt": "system: Find it.\nuser: go",
+        "completion": "answer",
+        "reward": 0.5,
+        "rewards": {},
+        "metrics": {"turns": float(turns)},
+        "policy_versions": [step, step + 1],
+        "messages": messages,
+    }
 
 
 def test_sampled_rollouts_become_traces_exactly_once(tmp_path):
@@ -136,8 +153,18 @@ def test_compare_prints_differences_and_plots(tmp_path):
             ledger.log_metrics(step, {"reward/mean": 0.1 * step * (job + 1)}, "orchestrator/")
         ledger.finish()
     plot = tmp_path / "cmp.png"
-    result = run_module("primerl.compare", "--store-dir", str(tmp_path / "store"), "--experiment", "cmp",
-                        "--sweep", str(sweep), "--plot", str(plot), timeout=120)  # fmt: skip
+    result = run_module(
+        "primerl.compare",
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--experiment",
+        "cmp",
+        "--sweep",
+        str(sweep),
+        "--plot",
+        str(plot),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "2 run(s)" in result.stdout and "settings that differ: trainer.optim.lr" in result.stdout
     assert "1e-05" in result.stdout and "3e-05" in result.stdout
@@ -150,10 +177,26 @@ def test_compare_prints_differences_and_plots(tmp_path):
 @pytest.mark.slow
 def test_real_mlflow_server_on_loopback(tmp_path):
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                               "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -173,9 +216,16 @@ def test_real_mlflow_server_on_loopback(tmp_path):
         MetricsFollower(ledger, sample_every=1).poll()
         ledger.finish()
         # what the web UI's Traces tab asks the server (MLflow 3.17's JS bundle: POST ajax-api/3.0/mlflow/traces/search)
-        found = httpx.post(f"http://127.0.0.1:{port}/ajax-api/3.0/mlflow/traces/search", timeout=30, json={
-            "locations": [{"type": "MLFLOW_EXPERIMENT", "mlflow_experiment": {"experiment_id": ledger.experiment_id}}],
-            "max_results": 100})  # fmt: skip
+        found = httpx.post(
+            f"http://127.0.0.1:{port}/ajax-api/3.0/mlflow/traces/search",
+            timeout=30,
+            json={
+                "locations": [
+                    {"type": "MLFLOW_EXPERIMENT", "mlflow_experiment": {"experiment_id": ledger.experiment_id}}
+                ],
+                "max_results": 100,
+            },
+        )
         assert found.status_code == 200, found.text
         (trace,) = found.json()["traces"]
         tags = {t["key"]: t["value"] for t in trace["tags"]} if isinstance(trace["tags"], list) else trace["tags"]
@@ -194,12 +244,30 @@ def test_real_mlflow_server_on_loopback(tmp_path):
 @pytest.mark.slow
 def test_multirun_sweep_records_parent_and_children(cache_dir, tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_module("primerl.train", "-m", "+experiment=reverse_text", "sft.enabled=false", "trainer.max_steps=1",
-                        "orchestrator.batch_size=8", "orchestrator.group_size=4", "trainer.optim.lr=1e-4,2e-4",
-                        f"inference.port={free_port()}", f"hydra.sweep.dir={sweep}",
-                        f"ledger.store_dir={tmp_path / 'store'}", timeout=900)  # fmt: skip
+    result = run_module(
+        "primerl.train",
+        "-m",
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        "trainer.max_steps=1",
+        "orchestrator.batch_size=8",
+        "orchestrator.group_size=4",
+        "trainer.optim.lr=1e-4,2e-4",
+        f"inference.port={free_port()}",
+        f"hydra.sweep.dir={sweep}",
+        f"ledger.store_dir={tmp_path / 'store'}",
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     sweep_children(tmp_path / "store", sweep, ["0.0001", "0.0002"])
-    compared = run_module("primerl.compare", "--store-dir", str(tmp_path / "store"), "--sweep", str(sweep),
-                          "--plot", str(tmp_path / "sweep.png"), timeout=120)  # fmt: skip
+    compared = run_module(
+        "primerl.compare",
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--sweep",
+        str(sweep),
+        "--plot",
+        str(tmp_path / "sweep.png"),
+        timeout=120,
+    )
     assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout

@@ -52,8 +52,10 @@ def test_children_die_with_a_parent_killed_with_sigkill():
 
 
 def test_one_driver_per_run_directory(tmp_path):
-    holder_code = f"from pathlib import Path; from primerl.launch.leftovers import claim_run_dir; import time\n" \
-                  f"lock = claim_run_dir(Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(600)"  # fmt: skip
+    holder_code = (
+        f"from pathlib import Path; from primerl.launch.leftovers import claim_run_dir; import time\n"
+        f"lock = claim_run_dir(Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(600)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(RunError, match=f"another driver \\(pid {holder.pid}\\) is running on {tmp_path}"):

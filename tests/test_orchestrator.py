@@ -121,8 +121,9 @@ def heavy_tail(seed: int):
 @pytest.mark.parametrize("async_level,max_off", [(1, None), (1, 2), (2, 2)])
 def test_staleness_bounds_and_exactly_once_accounting_under_updates_in_flight(tmp_path, async_level, max_off):
     steps = 12
-    orch, runner, writer = run_pipeline(tmp_path, steps, {"duration": heavy_tail(0)}, async_level=async_level,
-                                        max_off_policy_steps=max_off)  # fmt: skip
+    orch, runner, writer = run_pipeline(
+        tmp_path, steps, {"duration": heavy_tail(0)}, async_level=async_level, max_off_policy_steps=max_off
+    )
     bound = async_level if max_off is None else max_off
     rows = read_metrics(tmp_path, ORCHESTRATOR)
     assert [r["step"] for r in rows] == list(range(steps))
@@ -186,8 +187,9 @@ def test_timeouts_are_failures(tmp_path):
 
 
 def test_drain_per_step_is_lock_step(tmp_path):
-    orch, runner, writer = run_pipeline(tmp_path, 5, {"duration": heavy_tail(2)}, drain_per_step=True,
-                                        max_inflight=64, async_level=1)  # fmt: skip
+    orch, runner, writer = run_pipeline(
+        tmp_path, 5, {"duration": heavy_tail(2)}, drain_per_step=True, max_inflight=64, async_level=1
+    )
     rows = read_metrics(tmp_path, ORCHESTRATOR)
     assert runner.max_running == 8  # one batch of groups at a time, never more
     assert all(r["inflight/rollouts"] == 0 and r["queue/buffered_samples"] == 0 for r in rows)
@@ -226,8 +228,15 @@ def test_dispatcher_respects_max_inflight_and_cancels_by_version():
         policy = Policy()
         runner = FakeRunner(policy, duration=lambda task: 10.0)
         delivered = []
-        dispatcher = Dispatcher(TaskSource(FakeTask(i) for i in range(100)), runner, policy, group_size=4,
-                                max_inflight=10, rollout_timeout_s=60, deliver=delivered.append)  # fmt: skip
+        dispatcher = Dispatcher(
+            TaskSource(FakeTask(i) for i in range(100)),
+            runner,
+            policy,
+            group_size=4,
+            max_inflight=10,
+            rollout_timeout_s=60,
+            deliver=delivered.append,
+        )
         running = asyncio.create_task(dispatcher.run())
         await asyncio.sleep(0.05)
         assert dispatcher.inflight_rollouts == 8 and runner.max_running == 8  # two groups of 4 fit under 10

@@ -21,8 +21,13 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     """fsdp2: parameters sharded over 2 ranks, micro-batches split; fsdp2_ep: the MoE experts split 2+2 over the
     ranks, tokens sent to them by all-to-all; fsdp2_cp: every packed row split in two halves, attention over the
     all-gathered keys and values. The 1-rank run is the plain model in every case."""
-    args = ["+experiment=reverse_text", "sft.enabled=false", "trainer.max_steps=1", f"cache_dir={cache_dir}",
-            f"model={model}"]  # fmt: skip
+    args = [
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        "trainer.max_steps=1",
+        f"cache_dir={cache_dir}",
+        f"model={model}",
+    ]
     cfg = check([*args, f"output_dir={tmp_path}"])
     samples = model_samples(base_model_path(cfg))
     batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1)
@@ -37,8 +42,15 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         run = tmp_path / f"np{nproc}"
         write_rollout_batch(run, batch)
         layout = [f"parallelism={parallelism}"] if nproc > 1 else []
-        result = run_module("primerl.trainer", *args, *layout, f"output_dir={run}", f"hydra.run.dir={run}/logs",
-                            torchrun=nproc, timeout=300)  # fmt: skip
+        result = run_module(
+            "primerl.trainer",
+            *args,
+            *layout,
+            f"output_dir={run}",
+            f"hydra.run.dir={run}/logs",
+            torchrun=nproc,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         (rows[nproc],) = read_metrics(run, "trainer")
         weights[nproc] = load_file(weights_path(run, 1) / "model.safetensors")

@@ -111,8 +111,14 @@ def test_rollouts_go_to_the_least_loaded_up_replica_and_a_dead_ones_run_again_el
         assert all(isinstance(e, Rollout) for entries in results for e in entries)  # none lost
         assert replicas.up == [True, False, True] and replicas.rerouted == 2
         assert sorted(t for t in runners[1].tasks if t >= 100) == [101, 104]  # tried there first, then moved
-        assert sorted(t for r in (runners[0], runners[2]) for t in r.tasks if t >= 100) == [100, 101, 102, 103, 104,
-                                                                                            105]  # fmt: skip
+        assert sorted(t for r in (runners[0], runners[2]) for t in r.tasks if t >= 100) == [
+            100,
+            101,
+            102,
+            103,
+            104,
+            105,
+        ]
         # nothing more goes to it while it is down
         await asyncio.gather(*(runner.run(200 + i) for i in range(4)))
         assert not [t for t in runners[1].tasks if t >= 200]
@@ -341,9 +347,16 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     for index, (node, job_id) in enumerate([("node1", "11"), ("node3", "12")]):
         monkeypatch.setenv("SLURM_JOB_ID", job_id)
         monkeypatch.setenv("SLURMD_NODENAME", node)
-        job = ModuleJob("inference" if index == 0 else f"inference-{index}", "primerl.inference", [], str(tmp_path),
-                        inference_host="0.0.0.0", inference_port=9000 + 100 * index, inference_replicas=2,
-                        inference_index=index)  # fmt: skip
+        job = ModuleJob(
+            "inference" if index == 0 else f"inference-{index}",
+            "primerl.inference",
+            [],
+            str(tmp_path),
+            inference_host="0.0.0.0",
+            inference_port=9000 + 100 * index,
+            inference_replicas=2,
+            inference_index=index,
+        )
         overrides = job._address_overrides()
         assert overrides == [
             f"inference.port={9000 + 100 * index}",
@@ -353,15 +366,20 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
         # after the run's own overrides, as the job's process gets them: its share validates as one job
         check(["+experiment=reverse_text", "inference.replicas=4", "launcher.inference_jobs=2", *overrides])
         if index == 0:  # the second job has not started yet
-            assert advertised_urls(tmp_path, cfg.inference, 2) == ["http://node1:9000", "http://node1:9001",
-                                                                    None, None]  # fmt: skip
-    assert advertised_urls(tmp_path, cfg.inference, 2) == ["http://node1:9000", "http://node1:9001",
-                                                            "http://node3:9100", "http://node3:9101"]  # fmt: skip
+            assert advertised_urls(tmp_path, cfg.inference, 2) == ["http://node1:9000", "http://node1:9001", None, None]
+    assert advertised_urls(tmp_path, cfg.inference, 2) == [
+        "http://node1:9000",
+        "http://node1:9001",
+        "http://node3:9100",
+        "http://node3:9101",
+    ]
     assert json.loads((tmp_path / "inference_address.1.json").read_text())["job_id"] == "12"
-    orchestrator = ModuleJob("orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "12"],
-                             wait_s=5)  # fmt: skip
+    orchestrator = ModuleJob(
+        "orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "12"], wait_s=5
+    )
     assert orchestrator._address_overrides() == ["inference.host=node1", "inference.port=9000"]
-    stale = ModuleJob("orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "99"],
-                      wait_s=1)  # fmt: skip
+    stale = ModuleJob(
+        "orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "99"], wait_s=1
+    )
     with pytest.raises(RuntimeError, match="no address from inference job 99"):
         stale._address_overrides()  # an earlier attempt's address is not this job's

@@ -42,9 +42,19 @@ def _pids_mentioning(text: str) -> list[int]:
 
 
 def _train_cmd(run_dir, *overrides, steps=3, sft=False) -> list[str]:
-    return [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", *([] if sft else ["sft.enabled=false"]),
-            f"trainer.max_steps={steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
-            f"hydra.run.dir={run_dir}", f"ledger.store_dir={run_dir.parent / 'ledger'}", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "primerl.train",
+        "+experiment=reverse_text",
+        *([] if sft else ["sft.enabled=false"]),
+        f"trainer.max_steps={steps}",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        f"hydra.run.dir={run_dir}",
+        f"ledger.store_dir={run_dir.parent / 'ledger'}",
+        *overrides,
+    ]
 
 
 def _train(run_dir, *overrides, steps=3, sft=False):
@@ -55,8 +65,9 @@ def _train(run_dir, *overrides, steps=3, sft=False):
 def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
     run = tmp_path / "run"
     # with online evals on the env's held-out split at v0, v2 and the end (v3)
-    result = _train(run, "orchestrator.async_level=1", "eval.every=2", "eval.num_tasks=8", "eval.samples_per_task=2",
-                    "eval.k=2")  # fmt: skip
+    result = _train(
+        run, "orchestrator.async_level=1", "eval.every=2", "eval.num_tasks=8", "eval.samples_per_task=2", "eval.k=2"
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "step 3/3" in result.stdout
     evals = read_metrics(run, "eval")
@@ -93,8 +104,18 @@ def _check_ledger(run, trainer_rows):
     params, tags = mlrun.data.params, mlrun.data.tags
     assert params["trainer.max_steps"] == "3" and params["orchestrator.group_size"] == "4"
     assert params["env.id"] == "reverse-text"
-    for key in ("seed", "git.commit", "cpu.model", "cpu.count", "gpu.model", "version.torch", "version.verifiers",
-                "version.transformers", "host.name", "checkpoint.final"):  # fmt: skip
+    for key in (
+        "seed",
+        "git.commit",
+        "cpu.model",
+        "cpu.count",
+        "gpu.model",
+        "version.torch",
+        "version.verifiers",
+        "version.transformers",
+        "host.name",
+        "checkpoint.final",
+    ):
         assert tags.get(key), key
     assert tags["gpu.model"] == "none" and tags["checkpoint.final"].endswith("step_000003")
     history = client.get_metric_history(record["run_id"], "trainer/loss")
@@ -120,8 +141,9 @@ def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
     them, guess-number (any installed verifiers env by id), is multi-turn."""
     run = tmp_path / "mixture"
     mixture = "mixture=[{id:reverse-text,weight:1},{id:guess-number,weight:1,args:{high:16}}]"
-    result = _train(run, mixture, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2,
-                    sft=True)  # fmt: skip
+    result = _train(
+        run, mixture, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2, sft=True
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no SFT warm-start: no demonstrations for a mixture" in result.stderr
     assert not (run / "sft").exists()
@@ -144,15 +166,18 @@ def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
     record = json.loads((run / "ledger.json").read_text())
-    traces = MlflowClient(record["tracking_uri"]).search_traces(locations=[record["experiment_id"]],
-                                                                 run_id=record["run_id"])  # fmt: skip
+    traces = MlflowClient(record["tracking_uri"]).search_traces(
+        locations=[record["experiment_id"]], run_id=record["run_id"]
+    )
     replies = [m for s in sampled for m in s["messages"] if m["role"] == "assistant"]
     llm_spans = [s for t in traces for s in t.data.spans if s.span_type == "LLM"]
     assert len(traces) == len(sampled) and len(llm_spans) == len(replies) > len(sampled)
     assert all(s.start_time_ns < s.end_time_ns for s in llm_spans)
     # bad input: one line naming the key, before any process starts
-    for bad, key in (("mixture=[{id:reverse-text},{id:no-such-env}]", "mixture[1].id: no installed verifiers"),
-                     ("mixture=[{id:reverse-text,weight:-1}]", "mixture[0].weight")):  # fmt: skip
+    for bad, key in (
+        ("mixture=[{id:reverse-text},{id:no-such-env}]", "mixture[1].id: no installed verifiers"),
+        ("mixture=[{id:reverse-text,weight:-1}]", "mixture[0].weight"),
+    ):
         result = subprocess.run(
             _train_cmd(tmp_path / "bad", bad), cwd=ROOT, capture_output=True, text=True, timeout=300
         )
@@ -162,8 +187,9 @@ def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
 @contextlib.contextmanager
 def _run_until_trainer_step(run, trainer_steps, *overrides, steps=50):
     """A run, yielded once its trainer has finished `trainer_steps` steps; killed if still alive afterwards."""
-    train = subprocess.Popen(_train_cmd(run, *overrides, steps=steps), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    train = subprocess.Popen(
+        _train_cmd(run, *overrides, steps=steps), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 600
         while len(read_metrics(run, "trainer")) < trainer_steps and time.monotonic() < deadline:
@@ -200,22 +226,25 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     run_id = json.loads((run / "ledger.json").read_text())["run_id"]
     with _run_until_trainer_step(run, 3, *same, steps=steps) as train:
         _kill_child(train, run, "primerl.orchestrator")
-    result = subprocess.run(_train_cmd(run, *same, steps=steps), cwd=ROOT, capture_output=True, text=True,
-                            timeout=900)  # fmt: skip
+    result = subprocess.run(_train_cmd(run, *same, steps=steps), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
     # each step's batch was made once and trained once; the series run 0..steps-1 without gaps or repeats
     assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(steps))
     assert [r["step"] for r in read_metrics(run, "orchestrator")] == list(range(steps))
     trainer_log = (run / "logs" / "trainer.log").read_text()
-    starts = [int(line.split("trainer: starting at step ")[1].split()[0]) for line in trainer_log.splitlines()
-              if "trainer: starting at step " in line]  # fmt: skip
+    starts = [
+        int(line.split("trainer: starting at step ")[1].split()[0])
+        for line in trainer_log.splitlines()
+        if "trainer: starting at step " in line
+    ]
     assert len(starts) == 3 and starts[0] == 0 and 1 <= starts[1] <= starts[2] < steps  # resumed, not restarted
     for step in range(steps):
         assert trainer_log.count(f"trainer: step {step}:") <= 1
     # a replay is a restart's first step(s) whose checkpoint was still being written: at most one per restart here
-    replayed = [int(line.split("trainer: step ")[1].split()[0]) for line in trainer_log.splitlines()
-                if " replayed: " in line]  # fmt: skip
+    replayed = [
+        int(line.split("trainer: step ")[1].split()[0]) for line in trainer_log.splitlines() if " replayed: " in line
+    ]
     assert len(replayed) <= 2 and set(replayed) <= set(starts[1:]), replayed
     assert "orchestrator: resuming at step" in (run / "logs" / "orchestrator.log").read_text()
     # the task stream went on and was never rewound (a restart draws after its predecessor's last batch); with
@@ -296,8 +325,9 @@ def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_
 
 
 def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):
-    result = run_module("primerl.train", "env=verifiers", "env.id=no-such-env", f"hydra.run.dir={tmp_path}",
-                        timeout=120)  # fmt: skip
+    result = run_module(
+        "primerl.train", "env=verifiers", "env.id=no-such-env", f"hydra.run.dir={tmp_path}", timeout=120
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("primerl: config error: env.id: no installed verifiers environment")
     assert len(result.stderr.strip().splitlines()) == 1

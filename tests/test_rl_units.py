@@ -84,8 +84,12 @@ def test_loss_matches_hand_computation():
 
 def test_zero_advantage_gives_zero_gradient():
     logits = torch.randn(1, 4, 5, requires_grad=True)
-    micro = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "loss_mask": torch.tensor([[False, True, True, True]]),
-             "inference_logprobs": torch.full((1, 4), -1.6), "advantages": torch.zeros(1, 4)}  # fmt: skip
+    micro = {
+        "input_ids": torch.tensor([[1, 2, 3, 4]]),
+        "loss_mask": torch.tensor([[False, True, True, True]]),
+        "inference_logprobs": torch.full((1, 4), -1.6),
+        "advantages": torch.zeros(1, 4),
+    }
     policy_loss(logits, micro, 3, LossConfig()).loss.backward()
     assert logits.grad.abs().sum() == 0
 

@@ -81,8 +81,15 @@ def test_a_client_takes_only_its_own_runs_server(other_server, tmp_path):
 def test_a_second_run_on_a_taken_port_is_refused_at_once(other_server, tmp_path, module):
     port, _ = other_server
     assert port_taken("127.0.0.1", port) and not port_taken("127.0.0.1", free_port())
-    result = run_module(module, "+experiment=reverse_text", "sft.enabled=false", f"inference.port={port}",
-                        f"hydra.run.dir={tmp_path}", "ledger.enabled=false", timeout=120)  # fmt: skip
+    result = run_module(
+        module,
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        f"inference.port={port}",
+        f"hydra.run.dir={tmp_path}",
+        "ledger.enabled=false",
+        timeout=120,
+    )
     errors = [line for line in result.stderr.strip().splitlines() if "already in use" in line]
     assert result.returncode == (2 if module == "primerl.train" else 1), result.stderr[-2000:]
     assert len(errors) == 1 and f"127.0.0.1:{port} is already in use" in errors[0], result.stderr[-2000:]

@@ -31,9 +31,14 @@ def test_chat_example_masks_only_the_answer():
 
 def test_conversation_example_masks_every_assistant_message():
     tok = build_tokenizer()
-    messages = [{"role": "system", "content": "Guess."}, {"role": "user", "content": "start"},
-                {"role": "assistant", "content": "8"}, {"role": "user", "content": "higher"},
-                {"role": "assistant", "content": "12"}, {"role": "user", "content": "correct"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Guess."},
+        {"role": "user", "content": "start"},
+        {"role": "assistant", "content": "8"},
+        {"role": "user", "content": "higher"},
+        {"role": "assistant", "content": "12"},
+        {"role": "user", "content": "correct"},
+    ]
     ex = conversation_example(tok, messages)
     assert tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m]) == "8<|im_end|>12<|im_end|>"
     # the trailing user turn teaches nothing and is left out; the prompt turns are present but unmasked
@@ -43,10 +48,13 @@ def test_conversation_example_masks_every_assistant_message():
 
 @pytest.mark.parametrize(
     "line, why",
-    [("not json", "line 2 is not JSON"), ('{"text": "hi"}', "line 2 has no 'messages' list"),
-     ('{"messages": [{"role": "user"}]}', "line 2: every message needs a string 'role' and 'content'"),
-     ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2 has no assistant message")],
-)  # fmt: skip
+    [
+        ("not json", "line 2 is not JSON"),
+        ('{"text": "hi"}', "line 2 has no 'messages' list"),
+        ('{"messages": [{"role": "user"}]}', "line 2: every message needs a string 'role' and 'content'"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2 has no assistant message"),
+    ],
+)
 def test_chat_dataset_rows_are_checked(tmp_path, line, why):
     good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
     data = tmp_path / "data.jsonl"
@@ -60,8 +68,10 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
     """A `save_to_disk` directory (Dataset or DatasetDict) reads as the same conversations as the same rows in JSONL."""
     import datasets
 
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-            for i in range(3)]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(3)
+    ]
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds")
@@ -80,9 +90,13 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
     datasets.Dataset.from_list([{"text": "hi"}]).save_to_disk(tmp_path / "no_messages")
     datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "q"}]}]).save_to_disk(tmp_path / "no_answer")
     (tmp_path / "empty").mkdir()
-    for name, why in [("no_train", "no 'train' split"), ("no_messages", "no 'messages' column"),
-                      ("no_answer", "row 0 has no assistant message"), ("empty", "not a datasets directory"),
-                      ("missing", "neither a JSONL file nor a datasets directory")]:  # fmt: skip
+    for name, why in [
+        ("no_train", "no 'train' split"),
+        ("no_messages", "no 'messages' column"),
+        ("no_answer", "row 0 has no assistant message"),
+        ("empty", "not a datasets directory"),
+        ("missing", "neither a JSONL file nor a datasets directory"),
+    ]:
         with pytest.raises(ConfigError) as err:
             load_conversations(str(tmp_path / name))
         assert err.value.key == "sft.data" and why in err.value.message, err.value.message
@@ -165,9 +179,15 @@ def test_sft_one_rank_equals_two_ranks(tmp_path):
     losses = {}
     for nproc in (1, 2):
         out = tmp_path / f"np{nproc}"
-        result = run_module("primerl.sft", *args, f"cache_dir={out}/cache", f"hydra.run.dir={out}",
-                            f"ledger.store_dir={tmp_path}/ledger",
-                            torchrun=nproc, timeout=600)  # fmt: skip
+        result = run_module(
+            "primerl.sft",
+            *args,
+            f"cache_dir={out}/cache",
+            f"hydra.run.dir={out}",
+            f"ledger.store_dir={tmp_path}/ledger",
+            torchrun=nproc,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         metrics = json.loads((out / "sft_metrics.json").read_text())
         assert metrics["world_size"] == nproc
@@ -183,13 +203,28 @@ def test_sft_one_rank_equals_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_sft_from_a_chat_dataset(tmp_path):
     """A user's JSONL for an env without generated demonstrations: trains; bad input is one line, exit 2."""
-    rows = [{"messages": [{"role": "user", "content": f"Guess a number below {n}."},
-                          {"role": "assistant", "content": str(n // 2)}, {"role": "user", "content": "correct"}]}
-            for n in range(4, 20)]  # fmt: skip
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Guess a number below {n}."},
+                {"role": "assistant", "content": str(n // 2)},
+                {"role": "user", "content": "correct"},
+            ]
+        }
+        for n in range(4, 20)
+    ]
     data = tmp_path / "guesses.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["+experiment=reverse_text", "env=guess_number", "sft.steps=3", "sft.batch_size=4", "sft.warmup_steps=1",
-            f"cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path}/out", "ledger.enabled=false"]  # fmt: skip
+    args = [
+        "+experiment=reverse_text",
+        "env=guess_number",
+        "sft.steps=3",
+        "sft.batch_size=4",
+        "sft.warmup_steps=1",
+        f"cache_dir={tmp_path}/cache",
+        f"hydra.run.dir={tmp_path}/out",
+        "ledger.enabled=false",
+    ]
     result = run_module("primerl.sft", *args, f"sft.data={data}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
@@ -201,15 +236,22 @@ def test_sft_from_a_chat_dataset(tmp_path):
     metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
     assert metrics["steps"] == len(metrics["losses"]) == STOP_WINDOW
     assert f"stopping at step {STOP_WINDOW}: mean loss of the last {STOP_WINDOW} steps" in result.stdout + result.stderr
-    for bad, why in ((["sft.data=null"], "sft.data: no demonstrations for env.id=guess-number"),
-                     ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
-                     ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory")):  # fmt: skip
+    for bad, why in (
+        (["sft.data=null"], "sft.data: no demonstrations for env.id=guess-number"),
+        ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
+        ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory"),
+    ):
         result = run_module("primerl.sft", *args, *bad)
         assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1
     # options the env's own generator refuses (primerl.envs.demonstrations)
-    result = run_module("primerl.sft", "+experiment=reverse_text", "sft.demonstration_args.uppercase_fraction=1.0",
-                        f"hydra.run.dir={tmp_path}/out", "ledger.enabled=false")  # fmt: skip
+    result = run_module(
+        "primerl.sft",
+        "+experiment=reverse_text",
+        "sft.demonstration_args.uppercase_fraction=1.0",
+        f"hydra.run.dir={tmp_path}/out",
+        "ledger.enabled=false",
+    )
     why = "sft.demonstration_args: reverse-text: uppercase_fraction must be >= 0 and < 1, got 1.0"
     assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1

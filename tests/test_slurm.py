@@ -40,9 +40,22 @@ def _driver(run: Path, *overrides: str, steps: int):
     """`primerl.train launcher=slurm ...` in the background, yielding (process, its output file); killed if still
     alive on the way out."""
     out = run.parent / f"{run.name}.out"
-    cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", "launcher=slurm", "launcher.poll_s=1",
-           "sft.enabled=false", f"trainer.max_steps={steps}", "orchestrator.batch_size=16", "orchestrator.group_size=4",
-           "inference.port=0", f"hydra.run.dir={run}", f"ledger.store_dir={run.parent / 'ledger'}", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "primerl.train",
+        "+experiment=reverse_text",
+        "launcher=slurm",
+        "launcher.poll_s=1",
+        "sft.enabled=false",
+        f"trainer.max_steps={steps}",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        "inference.port=0",
+        f"hydra.run.dir={run}",
+        f"ledger.store_dir={run.parent / 'ledger'}",
+        *overrides,
+    ]
     with open(out, "w") as f:
         driver = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
     try:
@@ -85,8 +98,11 @@ def test_cancelled_job_stops_the_whole_run(slurm, cache_dir, tmp_path):
     run = tmp_path / "cancelled"
     with _driver(run, *slurm, steps=20) as (driver, out):
         jobs = _job_ids(out)
-        _wait(lambda: _slurm("squeue", "-h", "-j", jobs["orchestrator"], "-o", "%T").strip() == "RUNNING", 300,
-              "the orchestrator job never ran")  # fmt: skip
+        _wait(
+            lambda: _slurm("squeue", "-h", "-j", jobs["orchestrator"], "-o", "%T").strip() == "RUNNING",
+            300,
+            "the orchestrator job never ran",
+        )
         _slurm("scancel", jobs["orchestrator"])
         driver.wait(timeout=180)
     text = out.read_text()
@@ -102,11 +118,23 @@ def test_two_job_sweep_through_submitit_slurm(slurm, cache_dir, tmp_path):
     sweep, store = tmp_path / "sweep", tmp_path / "store"
     # each sweep point is one SLURM job (an array task) running the whole topology on its node; two run at once,
     # so each takes a free port for its inference server
-    result = run_module("primerl.train", "-m", "hydra/launcher=submitit_slurm", "+experiment=reverse_text",
-                        "sft.enabled=false", "trainer.max_steps=1", "orchestrator.batch_size=8",
-                        "orchestrator.group_size=4", "trainer.optim.lr=1e-4,2e-4", "inference.port=0",
-                        "hydra.launcher.timeout_min=30", "hydra.launcher.cpus_per_task=2",
-                        f"hydra.sweep.dir={sweep}", f"ledger.store_dir={store}", timeout=1200)  # fmt: skip
+    result = run_module(
+        "primerl.train",
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        "trainer.max_steps=1",
+        "orchestrator.batch_size=8",
+        "orchestrator.group_size=4",
+        "trainer.optim.lr=1e-4,2e-4",
+        "inference.port=0",
+        "hydra.launcher.timeout_min=30",
+        "hydra.launcher.cpus_per_task=2",
+        f"hydra.sweep.dir={sweep}",
+        f"ledger.store_dir={store}",
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     children = sweep_children(store, sweep, ["0.0001", "0.0002"])
     array_ids = {r.data.tags["slurm.array_job_id"] for r in children}

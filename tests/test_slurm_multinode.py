@@ -33,9 +33,15 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     from its checkpoint); the first inference job is requeued and kept off its node, so it comes back on another one,
     while the second serves on; the orchestrator follows the first there. Every step is trained once."""
     run = tmp_path / "run"
-    overrides = ["launcher.trainer_nodes=2", "inference.host=0.0.0.0", "inference.api_key=test-key",
-                 "inference.replicas=2", "launcher.inference_jobs=2", "+launcher.sbatch.trainer.exclude=node3",
-                 '+launcher.sbatch.inference.exclude="node[1-2]"']  # fmt: skip
+    overrides = [
+        "launcher.trainer_nodes=2",
+        "inference.host=0.0.0.0",
+        "inference.api_key=test-key",
+        "inference.replicas=2",
+        "launcher.inference_jobs=2",
+        "+launcher.sbatch.trainer.exclude=node3",
+        '+launcher.sbatch.inference.exclude="node[1-2]"',
+    ]
     # the run must outlast the requeued inference job's return: its new address comes ~17 s after the requeue. With
     # 4 steps the trainer, back 8 s after its preemption, once finished before that; steps take ~1 s here
     steps = 24
@@ -67,7 +73,14 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     # and test_faults.py.
     assert read_metrics(run, "orchestrator")[0]["inference/replicas_up"] == 2
     assert json.loads((run / "inference_address.1.json").read_text())["job_id"] == jobs["inference-1"]
-    _wait_for_states(jobs, {"trainer": ["REQUEUED", "COMPLETED"], "orchestrator": ["COMPLETED"],
-                            "inference": ["REQUEUED", "CANCELLED"], "inference-1": ["CANCELLED"]})  # fmt: skip
+    _wait_for_states(
+        jobs,
+        {
+            "trainer": ["REQUEUED", "COMPLETED"],
+            "orchestrator": ["COMPLETED"],
+            "inference": ["REQUEUED", "CANCELLED"],
+            "inference-1": ["CANCELLED"],
+        },
+    )
     record = json.loads((run / "ledger.json").read_text())
     assert MlflowClient(record["tracking_uri"]).get_run(record["run_id"]).info.status == "FINISHED"

@@ -47,8 +47,10 @@ def test_template_renders_tools_calls_and_results_and_plain_chats_unchanged():
     ]
     for generation_prompt in (False, True):
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt) == (
-            tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt,
-                                    chat_template=VERSION_1_TEMPLATE))  # fmt: skip
+            tok.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=generation_prompt, chat_template=VERSION_1_TEMPLATE
+            )
+        )
     call = {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "kefo"}'}}
     conversation = [
         {"role": "system", "content": "S"},
@@ -89,10 +91,14 @@ def test_hermes_renderer_parses_calls_and_keeps_malformed_ones_visible():
 
     assert parse("258") == ("258", [])
     assert parse('<tool_call>\n{"name": "lookup", "arguments": {"word": "kefo"}}\n</tool_call>') == (
-        "", [("lookup", {"word": "kefo"})])  # fmt: skip
-    for text, status in [('<tool_call>\n{"name": "lookup", "argu', "unclosed_block"),
-                         ("<tool_call>\n{bad}\n</tool_call>", "invalid_json"),
-                         ('<tool_call>\n{"arguments": {}}\n</tool_call>', "missing_name")]:  # fmt: skip
+        "",
+        [("lookup", {"word": "kefo"})],
+    )
+    for text, status in [
+        ('<tool_call>\n{"name": "lookup", "argu', "unclosed_block"),
+        ("<tool_call>\n{bad}\n</tool_call>", "invalid_json"),
+        ('<tool_call>\n{"arguments": {}}\n</tool_call>', "missing_name"),
+    ]:
         _, [(name, arguments)] = parse(text)
         assert name == MALFORMED_TOOL_CALL and arguments["status"] == status
 
@@ -129,8 +135,10 @@ def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_pa
 def test_bad_harness_or_env_args_name_their_key():
     from primerl.utils.errors import ConfigError
 
-    for cfg, key in [(EnvConfig(id="code-lookup", harness_args={"max_turnz": 3}), "env.harness_args"),
-                     (EnvConfig(id="code-lookup", args={"seedz": 1}), "env.args")]:  # fmt: skip
+    for cfg, key in [
+        (EnvConfig(id="code-lookup", harness_args={"max_turnz": 3}), "env.harness_args"),
+        (EnvConfig(id="code-lookup", args={"seedz": 1}), "env.args"),
+    ]:
         with pytest.raises(ConfigError) as err:
             load_env(cfg)
         assert err.value.key == key and ("max_turnz" in err.value.message or "seedz" in err.value.message)
@@ -174,17 +182,25 @@ class ScriptedModel:
         else:
             message = {"role": "assistant", "content": results[-1]["content"] if results else prompt}
         finish = "tool_calls" if message.get("tool_calls") else "stop"
-        return web.json_response({
-            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+        )
 
 
 async def run_episodes(env_cfg: EnvConfig, base_url: str, tasks_of=None) -> list[vf.Trace]:
     env = load_env(env_cfg)
-    ctx = vf.ModelContext(client=vf.EvalClientConfig(base_url=base_url, api_key_var="PRIMERL_TEST_KEY"),
-                          model="scripted", sampling=vf.SamplingConfig(max_tokens=16))  # fmt: skip
+    ctx = vf.ModelContext(
+        client=vf.EvalClientConfig(base_url=base_url, api_key_var="PRIMERL_TEST_KEY"),
+        model="scripted",
+        sampling=vf.SamplingConfig(max_tokens=16),
+    )
     tasks = tasks_of(env) if tasks_of else list(env.taskset)
     traces = []
     async with env.serving():
@@ -211,11 +227,14 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
         await site.start()
         base_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
         try:
-            echo = EnvConfig(id="echo-tools", args={"prompts": list(SCRIPT)},
-                             harness_args={"max_turns": 3, "tool_timeout_s": 1.0})  # fmt: skip
+            echo = EnvConfig(
+                id="echo-tools", args={"prompts": list(SCRIPT)}, harness_args={"max_turns": 3, "tool_timeout_s": 1.0}
+            )
             codes = EnvConfig(id="code-lookup", args={"seed": 3})
-            return (await run_episodes(echo, base_url),
-                    await run_episodes(codes, base_url, lambda env: list(itertools.islice(env.taskset, 2))))  # fmt: skip
+            return (
+                await run_episodes(echo, base_url),
+                await run_episodes(codes, base_url, lambda env: list(itertools.islice(env.taskset, 2))),
+            )
         finally:
             await runner.cleanup()
 
@@ -233,14 +252,23 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
     assert {t["function"]["name"] for t in ok_requests[0]["tools"]} == {"echo", "sleep"}
     second = ok_requests[1]["messages"]
     assert second[-2]["tool_calls"][0]["function"]["name"] == "echo" and second[-1] == {
-        "role": "tool", "tool_call_id": "call_0", "content": "ok"}  # fmt: skip
+        "role": "tool",
+        "tool_call_id": "call_0",
+        "content": "ok",
+    }
 
-    for prompt, reason, told in [("unknown", "unknown_tool", "unknown tool 'search'"),
-                                 ("badargs", "bad_arguments", "must be a JSON object"),
-                                 ("fails", "failed", "error:"),
-                                 ("slow", "timeout", "did not answer within 1 s")]:  # fmt: skip
-        assert metrics(prompt) == {"tool_calls": 1, "tool_turns": 2, f"tool_error_{reason}": 1,
-                                   "tool_stop_answer": 1}, prompt  # fmt: skip
+    for prompt, reason, told in [
+        ("unknown", "unknown_tool", "unknown tool 'search'"),
+        ("badargs", "bad_arguments", "must be a JSON object"),
+        ("fails", "failed", "error:"),
+        ("slow", "timeout", "did not answer within 1 s"),
+    ]:
+        assert metrics(prompt) == {
+            "tool_calls": 1,
+            "tool_turns": 2,
+            f"tool_error_{reason}": 1,
+            "tool_stop_answer": 1,
+        }, prompt
         answer = [m for m in by_prompt[prompt].branches[-1].messages if m.role == "assistant"][-1].content
         assert told in answer, (prompt, answer)  # the error reached the model (which repeats it)
         assert by_prompt[prompt].reward == 0.0
@@ -266,10 +294,20 @@ def test_tool_use_run_end_to_end(cache_dir, tmp_path):
     from primerl.utils.process import free_port
 
     run = tmp_path / "run"
-    result = run_module("primerl.train", "+experiment=code_lookup", "sft.steps=120", "sft.batch_size=8",
-                        "trainer.max_steps=2", "orchestrator.batch_size=16", "orchestrator.group_size=4", "eval.every=0",
-                        f"inference.port={free_port()}", f"hydra.run.dir={run}",
-                        f"ledger.store_dir={tmp_path / 'ledger'}", timeout=900)  # fmt: skip
+    result = run_module(
+        "primerl.train",
+        "+experiment=code_lookup",
+        "sft.steps=120",
+        "sft.batch_size=8",
+        "trainer.max_steps=2",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        "eval.every=0",
+        f"inference.port={free_port()}",
+        f"hydra.run.dir={run}",
+        f"ledger.store_dir={tmp_path / 'ledger'}",
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run, "orchestrator")
     assert all(r["metric/tool_calls"] > 0 for r in rows)

@@ -25,8 +25,14 @@ pytestmark = pytest.mark.slow
 
 
 def _args(cache_dir, run, steps: int) -> list[str]:
-    return ["+experiment=reverse_text", "sft.enabled=false", f"trainer.max_steps={steps}", f"cache_dir={cache_dir}",
-            f"output_dir={run}", f"hydra.run.dir={run}/logs"]  # fmt: skip
+    return [
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        f"trainer.max_steps={steps}",
+        f"cache_dir={cache_dir}",
+        f"output_dir={run}",
+        f"hydra.run.dir={run}/logs",
+    ]
 
 
 def _write_batches(cache_dir, run, advantages: list[float | None]) -> None:
@@ -44,8 +50,14 @@ def _trainer(args: list[str], file_size_limit: int | None = None) -> subprocess.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, "-m", "primerl.trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, preexec_fn=limit if file_size_limit else None)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "primerl.trainer", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit if file_size_limit else None,
+    )
 
 
 def _one_line_error(result, fragment: str) -> None:

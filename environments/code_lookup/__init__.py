@@ -93,8 +93,13 @@ def tool_schemas(toolset: vf.Toolset) -> list[dict]:
     server = MCPServer("schemas")
     toolset.register(server)
     tools = asyncio.run(server.list_tools())
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in tools]  # fmt: skip
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in tools
+    ]
 
 
 def demonstrations(count: int, seed: int, env_args: dict) -> list[dict]:
@@ -122,11 +127,18 @@ def teacher_turns(word: str, behaviour: float, salt: str) -> list[dict]:
     if behaviour < TEACHER_SKIPS:
         return [question, {"role": "assistant", "content": TEACHER_GUESS}]
     looked_up = word[:-1] if behaviour < TEACHER_SKIPS + TEACHER_TYPOS else word
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "lookup", "arguments": json.dumps({"word": looked_up})}}  # fmt: skip
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": json.dumps({"word": looked_up})},
+    }
     code = code_of(looked_up, salt)
-    return [question, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": code}, {"role": "assistant", "content": code}]  # fmt: skip
+    return [
+        question,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": code},
+        {"role": "assistant", "content": code},
+    ]
 
 
 __all__ = ["CodeLookupTaskset", "ChatHarness", "demonstrations", "DEMONSTRATIONS_VERSION"]

@@ -64,8 +64,16 @@ class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
         while True:
             secret = rng.randint(1, self.config.high)
             prompt = f"The number is between 1 and {self.config.high}."
-            yield GuessTask(GuessData(prompt=prompt, system_prompt=SYSTEM_PROMPT, secret=secret,
-                                      high=self.config.high, max_turns=self.config.max_turns), self.config.task)  # fmt: skip
+            yield GuessTask(
+                GuessData(
+                    prompt=prompt,
+                    system_prompt=SYSTEM_PROMPT,
+                    secret=secret,
+                    high=self.config.high,
+                    max_turns=self.config.max_turns,
+                ),
+                self.config.task,
+            )
 
 
 class GuessEnvConfig(vf.EnvConfig):

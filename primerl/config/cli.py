@@ -29,8 +29,21 @@ from primerl.utils.log import configure_logging, get_logger
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra prints help or config and exits, or which change where the config comes from.
-_SKIP_PREFLIGHT = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--config-path", "-cp",
-                   "--config-name", "-cn", "--config-dir", "-cd"}  # fmt: skip
+_SKIP_PREFLIGHT = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--shell-completion",
+    "-sc",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+}
 
 # Hydra flags followed by a value that is not an override (e.g. `--cfg job`).
 _VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--experimental-rerun"}

@@ -30,25 +30,38 @@ def validate(cfg: RunConfig) -> None:
             f"{orch.batch_size} is not divisible by orchestrator.group_size={orch.group_size}",
         )
     if orch.max_off_policy_steps is not None and orch.max_off_policy_steps < orch.async_level:
-        raise ConfigError("orchestrator.max_off_policy_steps", f"{orch.max_off_policy_steps} is below "
-                          f"orchestrator.async_level={orch.async_level}: batches allowed to run ahead would be dropped")  # fmt: skip
+        raise ConfigError(
+            "orchestrator.max_off_policy_steps",
+            f"{orch.max_off_policy_steps} is below "
+            f"orchestrator.async_level={orch.async_level}: batches allowed to run ahead would be dropped",
+        )
     if orch.max_inflight < orch.group_size:
-        raise ConfigError("orchestrator.max_inflight", f"{orch.max_inflight} cannot hold one group of "
-                          f"orchestrator.group_size={orch.group_size}")  # fmt: skip
+        raise ConfigError(
+            "orchestrator.max_inflight",
+            f"{orch.max_inflight} cannot hold one group of orchestrator.group_size={orch.group_size}",
+        )
     if orch.drain_per_step and orch.max_inflight < orch.batch_size:
-        raise ConfigError("orchestrator.max_inflight", f"{orch.max_inflight} cannot hold one batch of "
-                          f"orchestrator.batch_size={orch.batch_size}, which drain_per_step starts at once")  # fmt: skip
+        raise ConfigError(
+            "orchestrator.max_inflight",
+            f"{orch.max_inflight} cannot hold one batch of "
+            f"orchestrator.batch_size={orch.batch_size}, which drain_per_step starts at once",
+        )
     if orch.max_tokens >= inf.max_model_len:
         raise ConfigError(
             "orchestrator.max_tokens",
             f"{orch.max_tokens} leaves no room for the prompt in inference.max_model_len={inf.max_model_len}",
         )
     if inf.replicas > 1 and inf.pd.enabled:
-        raise ConfigError("inference.replicas", f"{inf.replicas} with inference.pd.enabled: replicas of a "
-                          "prefill/decode pair are not supported; use one or the other")  # fmt: skip
+        raise ConfigError(
+            "inference.replicas",
+            f"{inf.replicas} with inference.pd.enabled: replicas of a "
+            "prefill/decode pair are not supported; use one or the other",
+        )
     if inf.replicas % cfg.launcher.inference_jobs:
-        raise ConfigError("launcher.inference_jobs", f"{cfg.launcher.inference_jobs} jobs cannot share "
-                          f"inference.replicas={inf.replicas} evenly")  # fmt: skip
+        raise ConfigError(
+            "launcher.inference_jobs",
+            f"{cfg.launcher.inference_jobs} jobs cannot share inference.replicas={inf.replicas} evenly",
+        )
     if inf.port and inf.port + inf.replicas - 1 > 65535:
         raise ConfigError("inference.replicas", f"{inf.replicas} replicas from port {inf.port} run past port 65535")
     if trainer.seq_len < inf.max_model_len:
@@ -111,8 +124,10 @@ def _validate_launcher(cfg: RunConfig) -> None:
         )
     if lc.name == "slurm":
         if lc.signal_delay_s >= lc.time_limit_min * 60:
-            raise ConfigError("launcher.signal_delay_s", f"{lc.signal_delay_s}s is not shorter than the time limit "
-                              f"launcher.time_limit_min={lc.time_limit_min}")  # fmt: skip
+            raise ConfigError(
+                "launcher.signal_delay_s",
+                f"{lc.signal_delay_s}s is not shorter than the time limit launcher.time_limit_min={lc.time_limit_min}",
+            )
         if cfg.inference.pd.enabled:
             raise ConfigError("inference.pd.enabled", "prefill/decode servers are not placed by launcher=slurm yet")
         for role in lc.sbatch:
@@ -133,6 +148,9 @@ def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:
             f"dp_shard={dp} x cp={par.cp} = {dp * par.cp} does not equal the world size {world_size}",
         )
     if par.ep > 1 and (par.ep != dp or par.cp > 1):
-        raise ConfigError("parallelism.ep", f"{par.ep} must equal dp_shard={dp} with cp=1 (world size {world_size}): "
-                          "experts are sharded over all data-parallel ranks")  # fmt: skip
+        raise ConfigError(
+            "parallelism.ep",
+            f"{par.ep} must equal dp_shard={dp} with cp=1 (world size {world_size}): "
+            "experts are sharded over all data-parallel ranks",
+        )
     return dp

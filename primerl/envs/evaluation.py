@@ -48,8 +48,11 @@ def summarize(tasks: list[TaskResult], k: int, threshold: float) -> dict[str, fl
     policy's answer); each reward function's (`reward/<fn>`) and env metric's (`metric/<name>`) mean. Failed
     rollouts are counted, never scored as 0."""
     rewards = [r for t in tasks for r in t.rewards]
-    out: dict[str, float] = {"tasks": float(len(tasks)), "rollouts": float(len(rewards)),
-                             "failures": float(sum(len(t.failures) for t in tasks))}  # fmt: skip
+    out: dict[str, float] = {
+        "tasks": float(len(tasks)),
+        "rollouts": float(len(rewards)),
+        "failures": float(sum(len(t.failures) for t in tasks)),
+    }
     if not rewards:
         return out
     out["reward_mean"] = statistics.fmean(rewards)
@@ -67,8 +70,14 @@ def summarize(tasks: list[TaskResult], k: int, threshold: float) -> dict[str, fl
     return out
 
 
-async def run_tasks(runner: Any, tasks: list, samples_per_task: int, max_inflight: int, timeout_s: float,
-                    on_rollout: Callable[[], None] = lambda: None) -> list[TaskResult]:  # fmt: skip
+async def run_tasks(
+    runner: Any,
+    tasks: list,
+    samples_per_task: int,
+    max_inflight: int,
+    timeout_s: float,
+    on_rollout: Callable[[], None] = lambda: None,
+) -> list[TaskResult]:
     """`samples_per_task` rollouts of each task through `runner` (an EnvRunner), at most `max_inflight` at once.
     A rollout that raises, times out or fails is a reason in its task's `failures`, never an exception."""
     from primerl.envs.types import Rollout

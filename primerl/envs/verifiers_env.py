@@ -82,8 +82,9 @@ def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:
             continue
         scores = {name: r.score for name, r in trace.rewards.items() if r is not None}
         metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None and math.isfinite(v)}
-        out.append(Rollout(float(reward), scores, branches, final_reply(trace), prompt_text(trace), metrics,
-                           transcript(trace)))  # fmt: skip
+        out.append(
+            Rollout(float(reward), scores, branches, final_reply(trace), prompt_text(trace), metrics, transcript(trace))
+        )
     return out
 
 
@@ -102,8 +103,14 @@ class EnvRunner:
 API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 
-def model_context(model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
-                  sampling_args: dict | None = None, base_url: str | None = None) -> vf.ModelContext:  # fmt: skip
+def model_context(
+    model_path: str,
+    inf: "InferenceConfig",
+    temperature: float,
+    max_tokens: int,
+    sampling_args: dict | None = None,
+    base_url: str | None = None,
+) -> vf.ModelContext:
     """How rollouts sample from the inference server at `base_url` (default: the first of `inf`): verifiers' train
     client (token ids, sampled mask, logprobs), tokenizing locally with `model_path`'s tokenizer. It crosses into env
     workers as data (primerl.envs.workers)."""
@@ -122,8 +129,15 @@ def model_context(model_path: str, inf: "InferenceConfig", temperature: float, m
     )
 
 
-def env_runner(env: vf.Env, model_path: str, inf: "InferenceConfig", temperature: float, max_tokens: int,
-               sampling_args: dict | None = None, base_url: str | None = None) -> EnvRunner:  # fmt: skip
+def env_runner(
+    env: vf.Env,
+    model_path: str,
+    inf: "InferenceConfig",
+    temperature: float,
+    max_tokens: int,
+    sampling_args: dict | None = None,
+    base_url: str | None = None,
+) -> EnvRunner:
     """In-process rollouts of `env` with `model_context(...)`: the evaluator's runner, and the orchestrator's (one per
     replica) when `env.workers=0`."""
     return EnvRunner(env, model_context(model_path, inf, temperature, max_tokens, sampling_args, base_url))

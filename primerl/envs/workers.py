@@ -148,16 +148,21 @@ class EnvWorkers:
         """One rollout of `task` on a live worker, sampling with `ctx`. Never raises for the env's or a worker's
         faults: they come back as `RolloutFailure`s."""
         if self.task_type is not None and type(task) is not self.task_type:
-            return [RolloutFailure(f"env {self.name}: its taskset yields {type(task).__name__} but declares "
-                                   f"{self.task_type.__name__}, which a worker would run instead")]  # fmt: skip
+            return [
+                RolloutFailure(
+                    f"env {self.name}: its taskset yields {type(task).__name__} but declares "
+                    f"{self.task_type.__name__}, which a worker would run instead"
+                )
+            ]
         while (worker := self.pick()) is None:
             if self._error:
                 return [RolloutFailure(f"env workers of {self.name}: {self._error}")]
             self._live.clear()
             await self._live.wait()
         worker.outstanding += 1
-        request = asyncio.ensure_future(worker.client.run(ctx.client, ctx.model, ctx.sampling,
-                                                          task.data.model_dump(mode="json")))  # fmt: skip
+        request = asyncio.ensure_future(
+            worker.client.run(ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json"))
+        )
         try:
             await asyncio.wait([request, worker.gone], return_when=asyncio.FIRST_COMPLETED)
             if not request.done():
@@ -189,12 +194,23 @@ class EnvWorkers:
             await self._stop(worker, reason)
             if was_live:
                 failed_starts = 0
-                log.warning("env worker %d of %s lost after %d rollouts (%s); starting it again", index, self.name,
-                            worker.served, reason)  # fmt: skip
+                log.warning(
+                    "env worker %d of %s lost after %d rollouts (%s); starting it again",
+                    index,
+                    self.name,
+                    worker.served,
+                    reason,
+                )
             else:
                 failed_starts += 1
-                log.warning("env worker %d of %s failed to start (%s), %d/%d", index, self.name, reason,
-                            failed_starts, MAX_START_FAILURES)  # fmt: skip
+                log.warning(
+                    "env worker %d of %s failed to start (%s), %d/%d",
+                    index,
+                    self.name,
+                    reason,
+                    failed_starts,
+                    MAX_START_FAILURES,
+                )
                 if failed_starts >= MAX_START_FAILURES:
                     self._error = f"worker {index} failed to start {failed_starts} times in a row: {reason}"
                     self._live.set()  # waiting rollouts see the error
@@ -204,8 +220,9 @@ class EnvWorkers:
     def _start(self, index: int, incarnation: int) -> Worker:
         address = f"ipc://{self._dir}/{index}-{incarnation}"
         ours, theirs = self._mp.Pipe()
-        process = self._mp.Process(target=serve_worker, args=(self.config_data, address, theirs),
-                                   name=f"env-worker-{index}", daemon=False)  # fmt: skip
+        process = self._mp.Process(
+            target=serve_worker, args=(self.config_data, address, theirs), name=f"env-worker-{index}", daemon=False
+        )
         process.start()
         theirs.close()  # the worker holds the other end; our close (or death) is its EOF
         return Worker(index, process, ours, EnvClient(address), asyncio.get_running_loop().create_future())
@@ -223,8 +240,13 @@ class EnvWorkers:
             if not died.done():
                 worker.live = True
                 self._live.set()
-                log.info("env worker %d of %s is up (pid %d, %.1fs)", worker.index, self.name, worker.process.pid,
-                         time.monotonic() - worker.started)  # fmt: skip
+                log.info(
+                    "env worker %d of %s is up (pid %d, %.1fs)",
+                    worker.index,
+                    self.name,
+                    worker.process.pid,
+                    time.monotonic() - worker.started,
+                )
             last = time.monotonic()
             while not died.done():
                 if probe.done():  # one health check in flight at a time; its answer is a sign of life

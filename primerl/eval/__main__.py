@@ -91,23 +91,45 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), vllm_scratch_prefix(cfg.output_dir))
     with server.start(inf.startup_timeout_s):
-        runner = env_runner(env, model_path, inf, e.temperature, e.max_tokens or cfg.orchestrator.max_tokens,
-                            cfg.orchestrator.sampling_args, spec.base_url)  # fmt: skip
+        runner = env_runner(
+            env,
+            model_path,
+            inf,
+            e.temperature,
+            e.max_tokens or cfg.orchestrator.max_tokens,
+            cfg.orchestrator.sampling_args,
+            spec.base_url,
+        )
 
         async def main() -> list[TaskResult]:
             with tqdm(total=len(tasks) * e.samples_per_task, desc="eval", dynamic_ncols=True) as bar:
                 async with env.serving():
-                    return await run_tasks(runner, tasks, e.samples_per_task, e.max_inflight,
-                                           cfg.orchestrator.rollout_timeout_s, bar.update)  # fmt: skip
+                    return await run_tasks(
+                        runner,
+                        tasks,
+                        e.samples_per_task,
+                        e.max_inflight,
+                        cfg.orchestrator.rollout_timeout_s,
+                        bar.update,
+                    )
 
         started = time.perf_counter()
         results = asyncio.run(main())
         wall_s = time.perf_counter() - started
     scores = summarize(results, e.k, e.success_threshold)
     reasons = collections.Counter(reason for r in results for reason in r.failures)
-    return {"model": model_path, "env": cfg.env.id, "env_args": dict(cfg.env.args), "samples_per_task": e.samples_per_task,
-            "k": e.k, "temperature": e.temperature, "success_threshold": e.success_threshold, "wall_s": wall_s,
-            **scores, "failure_reasons": dict(reasons.most_common())}  # fmt: skip
+    return {
+        "model": model_path,
+        "env": cfg.env.id,
+        "env_args": dict(cfg.env.args),
+        "samples_per_task": e.samples_per_task,
+        "k": e.k,
+        "temperature": e.temperature,
+        "success_threshold": e.success_threshold,
+        "wall_s": wall_s,
+        **scores,
+        "failure_reasons": dict(reasons.most_common()),
+    }
 
 
 @hydra_app()
@@ -121,10 +143,12 @@ def main(dict_cfg: DictConfig) -> None:
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     k, env_id = cfg.eval.k, cfg.env.id
     if "reward_mean" in summary:
-        log.info(f"{env_id}: reward {summary['reward_mean']:.3f} ± {summary['reward_stderr']:.3f} over "
-                 f"{summary['rollouts']:.0f} rollouts of {summary['tasks']:.0f} tasks; avg@{k} "
-                 f"{summary.get(f'avg@{k}', float('nan')):.3f}, pass@{k} {summary.get(f'pass@{k}', float('nan')):.3f}; "
-                 f"{summary['failures']:.0f} failed")  # fmt: skip
+        log.info(
+            f"{env_id}: reward {summary['reward_mean']:.3f} ± {summary['reward_stderr']:.3f} over "
+            f"{summary['rollouts']:.0f} rollouts of {summary['tasks']:.0f} tasks; avg@{k} "
+            f"{summary.get(f'avg@{k}', float('nan')):.3f}, pass@{k} {summary.get(f'pass@{k}', float('nan')):.3f}; "
+            f"{summary['failures']:.0f} failed"
+        )
     else:
         log.error(f"{env_id}: every rollout failed: {summary['failure_reasons']}")
     log.info(f"summary in {out_dir / SUMMARY_FILE}")

@@ -40,8 +40,11 @@ def main(dict_cfg: DictConfig) -> None:
     check_supported(cfg.inference, device)
     model_path = initial_model_path(cfg)
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
-        raise ConfigError("sft.enabled", f"the SFT checkpoint {model_path} does not exist yet; run "
-                          "`python -m primerl.sft` with the same config first, or set sft.enabled=false")  # fmt: skip
+        raise ConfigError(
+            "sft.enabled",
+            f"the SFT checkpoint {model_path} does not exist yet; run "
+            "`python -m primerl.sft` with the same config first, or set sft.enabled=false",
+        )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
     servers = []
     for spec in render_specs(cfg, model_path, device):
@@ -63,9 +66,11 @@ def main(dict_cfg: DictConfig) -> None:
                     log.error(f"the vLLM server at {server.base_url} exited again after {MAX_RESTARTS} restarts")
                     sys.exit(1)
                 restarts[index] += 1
-                log.warning(f"the vLLM server at {server.base_url} exited with code {server.process.returncode}; "
-                            f"restarting it ({restarts[index]}/{MAX_RESTARTS}); last lines of its log:\n"
-                            f"{server.log_tail(10)}")  # fmt: skip
+                log.warning(
+                    f"the vLLM server at {server.base_url} exited with code {server.process.returncode}; "
+                    f"restarting it ({restarts[index]}/{MAX_RESTARTS}); last lines of its log:\n"
+                    f"{server.log_tail(10)}"
+                )
                 server.stop()  # what is left of its process group and its temp dir
                 server.start(cfg.inference.startup_timeout_s)
                 log.info(f"serving {model_path} at {server.base_url} again")

@@ -49,8 +49,11 @@ class WeightEpochCacheSalt:
             own = request.get("cache_salt")
             request["cache_salt"] = f"w{self.epoch}" + (f"-{own}" if isinstance(own, str) and own else "")
             body = json.dumps(request).encode()
-            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-                     + [(b"content-length", str(len(body)).encode())]}  # fmt: skip
+            scope = {
+                **scope,
+                "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                + [(b"content-length", str(len(body)).encode())],
+            }
         return await self.app(scope, replay(body, receive), send)
 
     async def _pause(self, scope, receive, send):

@@ -23,10 +23,20 @@ from primerl.transport.identity import SERVER_ID_ENV, SERVER_ID_HEADER
 
 API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
 OPEN_PATHS = frozenset({"/health"})  # load balancers and the launcher probe it without a key
-ALLOWED_PATHS = frozenset({
-    "/health", "/ping", "/version", "/metrics", "/tokenize", "/detokenize",
-    "/collective_rpc", "/pause", "/resume", "/is_paused",  # the admin routes primerl uses (orchestrator)
-})  # fmt: skip
+ALLOWED_PATHS = frozenset(
+    {
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/collective_rpc",
+        "/pause",
+        "/resume",
+        "/is_paused",  # the admin routes primerl uses (orchestrator)
+    }
+)
 ALLOWED_PREFIXES = ("/v1/", "/inference/v1/")
 RPC_PATH = "/collective_rpc"
 RPC_METHOD_PREFIX = "primerl_"  # primerl.inference.worker_extension

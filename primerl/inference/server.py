@@ -82,21 +82,33 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
     prefill and a decode server (PD)."""
     inf = cfg.inference
     args = [
-        "--model", model_path,
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--host", inf.host,
-        "--max-model-len", str(inf.max_model_len),
-        "--dtype", cfg.model.dtype,
-        "--seed", str(cfg.seed),
-        "--worker-extension-cls", EXTENSION_CLS,
+        "--model",
+        model_path,
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        inf.host,
+        "--max-model-len",
+        str(inf.max_model_len),
+        "--dtype",
+        cfg.model.dtype,
+        "--seed",
+        str(cfg.seed),
+        "--worker-extension-cls",
+        EXTENSION_CLS,
         "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + logprobs out
-        "--max-logprobs", "1",
-        "--logprobs-mode", "processed_logprobs",  # after temperature: what the trainer's loss compares against
+        "--max-logprobs",
+        "1",
+        "--logprobs-mode",
+        "processed_logprobs",  # after temperature: what the trainer's loss compares against
         "--return-tokens-as-token-ids",  # the verifiers train client reads sampled ids from logprobs
-        "--middleware", "primerl.inference.compat.GenerateLogprobTokens",
-        "--middleware", "primerl.inference.cache_salt.WeightEpochCacheSalt",
-        "--middleware", "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
-    ]  # fmt: skip
+        "--middleware",
+        "primerl.inference.compat.GenerateLogprobTokens",
+        "--middleware",
+        "primerl.inference.cache_salt.WeightEpochCacheSalt",
+        "--middleware",
+        "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
+    ]
     if inf.enforce_eager:
         args.append("--enforce-eager")
     if device == "cuda":
@@ -183,15 +195,17 @@ class VllmServer:
             "TMPDIR": str(self.tmp_dir),
         }
         # SIGTERM when the process that started it dies, kill -9 included: vLLM then shuts its engine down
-        self.process = subprocess.Popen(dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         log.close()
 
     def wait_ready(self, timeout_s: float = 600.0) -> "VllmServer":
         assert self.process is not None, "spawn() first"
         try:
-            wait_until(self._ready, f"vLLM at {self.base_url} (log: {self.log_path})", timeout_s, poll_s=1.0,
-                       note_every_s=15)  # fmt: skip
+            wait_until(
+                self._ready, f"vLLM at {self.base_url} (log: {self.log_path})", timeout_s, poll_s=1.0, note_every_s=15
+            )
         except WaitTimeout:
             self.stop()
             raise InferenceStartError(
@@ -213,8 +227,10 @@ class VllmServer:
         if served_by(answer.headers, self.identity):
             return True
         self.stop()
-        raise InferenceStartError(f"another server answers at {self.base_url}, not this run's: set "
-                                  "inference.port to a free port, or 0 to pick one")  # fmt: skip
+        raise InferenceStartError(
+            f"another server answers at {self.base_url}, not this run's: set "
+            "inference.port to a free port, or 0 to pick one"
+        )
 
     @property
     def identity(self) -> str | None:

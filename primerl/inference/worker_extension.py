@@ -51,8 +51,9 @@ class PrimerlWorkerExtension:
     def primerl_load_weights(self, path: str, version: str) -> str:
         root = os.environ.get(WEIGHTS_DIR_ENV)
         if not root or not inside(path, root):
-            log.warning("primerl: refused to load weights from %s: not inside the run's weights directory %s",
-                        path, root)  # fmt: skip
+            log.warning(
+                "primerl: refused to load weights from %s: not inside the run's weights directory %s", path, root
+            )
             raise PermissionError(f"refused: {path} is not inside the run's weights directory ({root})")
         folder = Path(path)
         if not (folder / STABLE_MARKER).exists():

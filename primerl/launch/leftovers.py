@@ -96,5 +96,7 @@ def clear_leftovers(run_dir: Path, grace_s: float = 20.0) -> None:
     for path in stale:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     if stale:
-        log.warning(f"removed {len(stale)} temporary file(s) a previous driver of this run left: "
-                    f"{', '.join(p.name for p in stale[:5])}{' ...' if len(stale) > 5 else ''}")  # fmt: skip
+        log.warning(
+            f"removed {len(stale)} temporary file(s) a previous driver of this run left: "
+            f"{', '.join(p.name for p in stale[:5])}{' ...' if len(stale) > 5 else ''}"
+        )

@@ -50,27 +50,33 @@ class LocalLauncher:
         cpu = self.cfg.inference.device == "cpu" or (self.cfg.inference.device == "auto" and not _has_cuda())
         nproc = self.cfg.launcher.trainer_tasks_per_node
         self._spawn("inference", module_command("primerl.inference", overrides, self.run_dir), child_env())
-        self._spawn("orchestrator", module_command("primerl.orchestrator", overrides, self.run_dir),
-                    child_env(threads=1))  # fmt: skip
+        self._spawn(
+            "orchestrator", module_command("primerl.orchestrator", overrides, self.run_dir), child_env(threads=1)
+        )
         # on CPU, vLLM pins one core; by default the trainer gets the rest
         threads = self.cfg.launcher.trainer_threads or (max(1, (os.cpu_count() or 2) - 1) if cpu else None)
-        self._spawn("trainer", module_command("primerl.trainer", overrides, self.run_dir, nproc),
-                    child_env(threads=threads) | LOOPBACK_GLOO)  # fmt: skip
+        self._spawn(
+            "trainer",
+            module_command("primerl.trainer", overrides, self.run_dir, nproc),
+            child_env(threads=threads) | LOOPBACK_GLOO,
+        )
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = log_path(self.run_dir, name)
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            process = subprocess.Popen(dies_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)  # fmt: skip
+            process = subprocess.Popen(
+                dies_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self.children[name] = Child(name, process, log)
 
     def finished(self) -> bool:
         for child in self.children.values():
             code = child.process.poll()
             if code not in (None, 0):
-                raise ChildFailed(f"{child.name} exited with code {code}; last lines of {child.log}:\n"
-                                  f"{log_tail(child.log)}")  # fmt: skip
+                raise ChildFailed(
+                    f"{child.name} exited with code {code}; last lines of {child.log}:\n{log_tail(child.log)}"
+                )
         if all(self.children[name].process.poll() == 0 for name in ("trainer", "orchestrator")):
             return True
         inference = self.children["inference"]

@@ -17,8 +17,16 @@ def module_command(module: str, overrides: list[str], run_dir: Path, nproc: int 
     name = module.rsplit(".", 1)[-1]
     args = [*overrides, f"output_dir={run_dir}", f"hydra.run.dir={run_dir}/logs/{name}", "hydra.output_subdir=null"]
     if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "-m", module, *args]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            module,
+            *args,
+        ]
     return [sys.executable, "-m", module, *args]
 
 

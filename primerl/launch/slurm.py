@@ -38,8 +38,21 @@ from primerl.utils.wait import WaitTimeout, wait_until
 log = get_logger("train")
 
 # States a job can be in while it still may finish well (a requeued job passes through PENDING/REQUEUED again).
-LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-               "RESIZING", "SUSPENDED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "UNKNOWN"}  # fmt: skip
+LIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "PREEMPTED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "UNKNOWN",
+}
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 _running: subprocess.Popen | None = None  # the process of this job, for `checkpoint` to stop
@@ -72,8 +85,9 @@ class ModuleJob(submitit.helpers.Checkpointable):
         env = child_env(threads=int(os.environ.get("SLURM_CPUS_PER_TASK", "0")) or None)
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            _running = subprocess.Popen(module_command(self.module, overrides, run_dir), stdout=out,
-                                        stderr=subprocess.STDOUT, env=env)  # fmt: skip
+            _running = subprocess.Popen(
+                module_command(self.module, overrides, run_dir), stdout=out, stderr=subprocess.STDOUT, env=env
+            )
         # polled, not wait()ed: `checkpoint` runs as a signal handler and must be able to wait for the process itself
         wait_until(lambda: _running.poll() is not None, f"{self.name} to exit", poll_s=1.0)
         if (code := _running.returncode) != 0:
@@ -93,8 +107,10 @@ class ModuleJob(submitit.helpers.Checkpointable):
                 "launcher.inference_jobs=1",
             ]
         if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
-            found = [_wait_for_address(self.run_dir, index, job_id, self.wait_s)
-                     for index, job_id in enumerate(self.inference_job_ids)]  # fmt: skip
+            found = [
+                _wait_for_address(self.run_dir, index, job_id, self.wait_s)
+                for index, job_id in enumerate(self.inference_job_ids)
+            ]
             return [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
         return []
 
@@ -135,16 +151,25 @@ class SlurmLauncher:
     def poll_s(self) -> float:
         return self.cfg.launcher.poll_s
 
-    def _submit(self, name: str, module: str, overrides: list[str], nodes: int = 1, tasks: int = 1,
-                gpus: int = 0, **job_args) -> submitit.Job:  # fmt: skip
+    def _submit(
+        self, name: str, module: str, overrides: list[str], nodes: int = 1, tasks: int = 1, gpus: int = 0, **job_args
+    ) -> submitit.Job:
         lc = self.cfg.launcher
         executor = submitit.SlurmExecutor(folder=self.run_dir / "slurm" / "%j", max_num_timeout=lc.max_requeues)
         executor.update_parameters(
-            job_name=f"{self.cfg.name}-{name}", partition=lc.partition, account=lc.account, qos=lc.qos,
-            time=lc.time_limit_min, nodes=nodes, ntasks_per_node=tasks, cpus_per_task=lc.cpus_per_task,
-            gpus_per_node=gpus or None, signal_delay_s=lc.signal_delay_s, setup=list(lc.setup),
+            job_name=f"{self.cfg.name}-{name}",
+            partition=lc.partition,
+            account=lc.account,
+            qos=lc.qos,
+            time=lc.time_limit_min,
+            nodes=nodes,
+            ntasks_per_node=tasks,
+            cpus_per_task=lc.cpus_per_task,
+            gpus_per_node=gpus or None,
+            signal_delay_s=lc.signal_delay_s,
+            setup=list(lc.setup),
             additional_parameters=dict(lc.sbatch.get(job_role(name), {})),
-        )  # fmt: skip
+        )
         job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
         self.jobs[name] = job
         log.info(f"{name} is SLURM job {job.job_id}")
@@ -173,12 +198,24 @@ class SlurmLauncher:
         ids = []
         for index, name in enumerate(self.inference_names):
             inference_address_path(self.run_dir, index).unlink(missing_ok=True)  # an earlier attempt's server is gone
-            job = self._submit(name, "primerl.inference", overrides, gpus=self.cfg.launcher.inference_gpus,
-                               inference_host=inf.host, inference_port=inf.port,
-                               inference_replicas=inf.replicas // jobs, inference_index=index)  # fmt: skip
+            job = self._submit(
+                name,
+                "primerl.inference",
+                overrides,
+                gpus=self.cfg.launcher.inference_gpus,
+                inference_host=inf.host,
+                inference_port=inf.port,
+                inference_replicas=inf.replicas // jobs,
+                inference_index=index,
+            )
             ids.append(job.job_id)
-        self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_ids=ids,
-                     wait_s=inf.startup_timeout_s + 3600)  # fmt: skip # the inference job may queue first
+        self._submit(
+            "orchestrator",
+            "primerl.orchestrator",
+            overrides,
+            inference_job_ids=ids,
+            wait_s=inf.startup_timeout_s + 3600,
+        )  # the inference job may queue first
         self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())
 
     def _ended_well(self, name: str) -> bool:

@@ -45,8 +45,10 @@ def sft_needed(cfg: RunConfig) -> bool:
         return False
     if not sft_applies(cfg):
         env = "a mixture" if cfg.mixture else f"env.id={cfg.env.id}"
-        log.warning(f"no SFT warm-start: no demonstrations for {env} (its package has no `demonstrations` hook; "
-                    "give yours with sft.data=FILE.jsonl); RL starts from the base model")  # fmt: skip
+        log.warning(
+            f"no SFT warm-start: no demonstrations for {env} (its package has no `demonstrations` hook; "
+            "give yours with sft.data=FILE.jsonl); RL starts from the base model"
+        )
         return False
     target = sft_checkpoint_dir(cfg)
     if is_stable(target):
@@ -69,7 +71,7 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
     run_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None  # fmt: skip
+    follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None
     try:
         if sft_needed(cfg):
             # the train run's ledger records the SFT results; the SFT process keeps none of its own
@@ -100,9 +102,11 @@ def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
     trainer_rows = read_metrics(run_dir, "trainer")
     for row in trainer_rows[shown:]:
         o = orch.get(row["step"], {})
-        log.info(f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get('reward/mean'), '.3f')}"
-                 f"  loss {_shown(row.get('loss'), '+.4f')}  mismatch_kl {_shown(row.get('mismatch_kl'), '.1e')}  "
-                 f"gen {_shown(o.get('time/generate_s'), '.1f')}s  train {_shown(row.get('time/step_s'), '.1f')}s")  # fmt: skip
+        log.info(
+            f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get('reward/mean'), '.3f')}"
+            f"  loss {_shown(row.get('loss'), '+.4f')}  mismatch_kl {_shown(row.get('mismatch_kl'), '.1e')}  "
+            f"gen {_shown(o.get('time/generate_s'), '.1f')}s  train {_shown(row.get('time/step_s'), '.1f')}s"
+        )
     return len(trainer_rows)
 
 

@@ -83,20 +83,28 @@ def description(cfg: RunConfig, kind: str) -> str:
         return f"{cfg.name}: SFT warm-start of {model}, {cfg.sft.steps} steps of {cfg.sft.batch_size} on {cfg.env.id}."
     if kind == "eval":
         e = cfg.eval
-        return (f"{cfg.name}: evaluation of {e.model or f'{e.run} step {e.step}'} on env {cfg.env.id}, "
-                f"{e.num_tasks} tasks x {e.samples_per_task} rollouts at temperature {e.temperature}.")  # fmt: skip
+        return (
+            f"{cfg.name}: evaluation of {e.model or f'{e.run} step {e.step}'} on env {cfg.env.id}, "
+            f"{e.num_tasks} tasks x {e.samples_per_task} rollouts at temperature {e.temperature}."
+        )
     o = cfg.orchestrator
     envs = " + ".join(f"{e.id} ({e.weight:g})" for e in cfg.mixture) if cfg.mixture else cfg.env.id
-    return (f"{cfg.name}: RL on env {envs} with model {model}, {cfg.trainer.max_steps} steps of "
-            f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
-            f"async_level {o.async_level}, launcher {cfg.launcher.name}.")  # fmt: skip
+    return (
+        f"{cfg.name}: RL on env {envs} with model {model}, {cfg.trainer.max_steps} steps of "
+        f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
+        f"async_level {o.async_level}, launcher {cfg.launcher.name}."
+    )
 
 
 def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
     """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
-    return {"mlflow.source.name": f"python -m primerl.{kind} " + " ".join(sys.argv[1:])[:400],
-            "mlflow.source.type": "LOCAL", "mlflow.source.git.commit": git_commit, "mlflow.user": getpass.getuser(),
-            "mlflow.note.content": description(cfg, kind)}  # fmt: skip
+    return {
+        "mlflow.source.name": f"python -m primerl.{kind} " + " ".join(sys.argv[1:])[:400],
+        "mlflow.source.type": "LOCAL",
+        "mlflow.source.git.commit": git_commit,
+        "mlflow.user": getpass.getuser(),
+        "mlflow.note.content": description(cfg, kind),
+    }
 
 
 class Ledger:
@@ -108,8 +116,15 @@ class Ledger:
         self._system_metrics = None
 
     @classmethod
-    def open(cls, cfg: RunConfig, resolved: DictConfig, run_dir: Path, kind: str = "train",
-             sweep_dir: Path | None = None, job_num: int | None = None) -> "Ledger":  # fmt: skip
+    def open(
+        cls,
+        cfg: RunConfig,
+        resolved: DictConfig,
+        run_dir: Path,
+        kind: str = "train",
+        sweep_dir: Path | None = None,
+        job_num: int | None = None,
+    ) -> "Ledger":
         """Start (or, when `<run_dir>/ledger.json` exists, resume) this run's MLflow run."""
         store_dir = None if cfg.ledger.tracking_uri else Path(cfg.ledger.store_dir).resolve()
         # the first user of a new embedded store creates its tables; sweep jobs start together: one at a time
@@ -123,8 +138,14 @@ class Ledger:
             ledger = cls(client, run_id, run_dir, experiment)
             ledger._log_config(resolved)
             return ledger
-        tags = {"primerl.kind": kind, "primerl.run_dir": str(run_dir), "seed": str(cfg.seed),
-                "model.init_seed": str(cfg.model.init_seed), "launcher": cfg.launcher.name, **system_tags()}  # fmt: skip
+        tags = {
+            "primerl.kind": kind,
+            "primerl.run_dir": str(run_dir),
+            "seed": str(cfg.seed),
+            "model.init_seed": str(cfg.model.init_seed),
+            "launcher": cfg.launcher.name,
+            **system_tags(),
+        }
         tags |= standard_tags(cfg, kind, tags["git.commit"])
         if sweep_dir is not None:
             tags["mlflow.parentRunId"] = cls._sweep_parent(client, experiment, sweep_dir)
@@ -138,8 +159,9 @@ class Ledger:
         for i in range(0, len(items), 100):
             client.log_batch(ledger.run_id, params=items[i : i + 100])
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"run_id": ledger.run_id, "tracking_uri": tracking_uri(cfg),
-                                      "experiment_id": experiment}))  # fmt: skip
+        record.write_text(
+            json.dumps({"run_id": ledger.run_id, "tracking_uri": tracking_uri(cfg), "experiment_id": experiment})
+        )
         ledger._log_config(resolved)
         return ledger
 
@@ -155,8 +177,9 @@ class Ledger:
 
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines, in its own format
 
-        self._system_metrics = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, resume_logging=True,
-                                                    tracking_uri=self.client.tracking_uri)  # fmt: skip
+        self._system_metrics = SystemMetricsMonitor(
+            self.run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=self.client.tracking_uri
+        )
         self._system_metrics.start()
 
     @staticmethod
@@ -165,18 +188,25 @@ class Ledger:
         with _locked(path):
             if path.exists():
                 return json.loads(path.read_text())["run_id"]
-            run = client.create_run(experiment, run_name=f"sweep-{sweep_dir.name}",
-                                    tags={"primerl.kind": "sweep", "primerl.sweep_dir": str(sweep_dir)})  # fmt: skip
+            run = client.create_run(
+                experiment,
+                run_name=f"sweep-{sweep_dir.name}",
+                tags={"primerl.kind": "sweep", "primerl.sweep_dir": str(sweep_dir)},
+            )
             path.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": client.tracking_uri}))
             return run.info.run_id
 
-    def log_metrics(self, step: int, values: dict[str, float | None], prefix: str = "",
-                    timestamp_ms: int | None = None) -> None:  # fmt: skip
+    def log_metrics(
+        self, step: int, values: dict[str, float | None], prefix: str = "", timestamp_ms: int | None = None
+    ) -> None:
         import time
 
         ts = timestamp_ms or int(time.time() * 1000)
-        metrics = [Metric(f"{prefix}{k}", float(v), ts, step) for k, v in values.items()
-                   if isinstance(v, int | float) and math.isfinite(v)]  # fmt: skip
+        metrics = [
+            Metric(f"{prefix}{k}", float(v), ts, step)
+            for k, v in values.items()
+            if isinstance(v, int | float) and math.isfinite(v)
+        ]
         for i in range(0, len(metrics), 500):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 500])
 
@@ -219,8 +249,9 @@ class MetricsFollower:
 
     SAMPLES = "samples"
 
-    def __init__(self, ledger: Ledger, processes: tuple[str, ...] = (ORCHESTRATOR, TRAINER, EVAL),
-                 sample_every: int = 1):  # fmt: skip
+    def __init__(
+        self, ledger: Ledger, processes: tuple[str, ...] = (ORCHESTRATOR, TRAINER, EVAL), sample_every: int = 1
+    ):
         self.ledger = ledger
         self.sample_every = sample_every
         self.offsets_file = ledger.run_dir / "ledger_offsets.json"

@@ -27,10 +27,21 @@ def _gpu() -> dict[str, str]:
 
         if torch.cuda.is_available():
             names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()  # fmt: skip
-            return {"gpu.model": ", ".join(names), "gpu.count": str(torch.cuda.device_count()),
-                    "gpu.driver": driver or "unknown"}  # fmt: skip
+            driver = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                )
+                .stdout.split("\n")[0]
+                .strip()
+            )
+            return {
+                "gpu.model": ", ".join(names),
+                "gpu.count": str(torch.cuda.device_count()),
+                "gpu.driver": driver or "unknown",
+            }
     except Exception:  # noqa: BLE001 - a probe must never fail the run
         pass
     return {"gpu.model": "none", "gpu.count": "0", "gpu.driver": "none"}

@@ -4,9 +4,18 @@ from primerl.transport.batches import RolloutBatch, Sample
 from primerl.transport.packing import pack_sequences
 
 
-def build_batch(samples: list[Sample], step: int, seq_len: int, micro_batch_size: int, pad_id: int, *,
-                temperature: float, async_level: int, metrics: dict[str, float] | None = None,
-                data_position: int = 0) -> RolloutBatch:  # fmt: skip
+def build_batch(
+    samples: list[Sample],
+    step: int,
+    seq_len: int,
+    micro_batch_size: int,
+    pad_id: int,
+    *,
+    temperature: float,
+    async_level: int,
+    metrics: dict[str, float] | None = None,
+    data_position: int = 0,
+) -> RolloutBatch:
     """Pack samples into rows of `seq_len`, then micro-batches of `micro_batch_size` rows. `temperature` and
     `async_level` say how the samples were drawn (the trainer's loss matches them).
 

@@ -57,9 +57,17 @@ class _InFlight:
 
 
 class Dispatcher:
-    def __init__(self, source: TaskSource, runner: RolloutRunner, policy: Policy, group_size: int, max_inflight: int,
-                 rollout_timeout_s: float, deliver: Callable[[FinishedGroup | CancelledGroup], None],
-                 may_admit: Callable[[int], bool] = lambda n: True):  # fmt: skip
+    def __init__(
+        self,
+        source: TaskSource,
+        runner: RolloutRunner,
+        policy: Policy,
+        group_size: int,
+        max_inflight: int,
+        rollout_timeout_s: float,
+        deliver: Callable[[FinishedGroup | CancelledGroup], None],
+        may_admit: Callable[[int], bool] = lambda n: True,
+    ):
         self.source, self.runner, self.policy = source, runner, policy
         self.group_size, self.max_inflight, self.rollout_timeout_s = group_size, max_inflight, rollout_timeout_s
         self.deliver, self.may_admit = deliver, may_admit

@@ -31,15 +31,17 @@ _RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", r
 class InferenceClient:
     """`server_id`: the run's server id (primerl.transport.identity); a server answering with another is not ours."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0,
-                 server_id: str | None = None):  # fmt: skip
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0, server_id: str | None = None
+    ):
         self.base_url, self.server_id = base_url, server_id
         self._foreign_seen = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
         # would be written into the closed socket. Admin calls are few; a loopback connect costs ~0.1 ms.
-        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s,
-                                      limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
+        self.http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0)
+        )
 
     async def __aenter__(self) -> "InferenceClient":
         return self

@@ -47,16 +47,33 @@ class Orchestrator:
     """The cut loop over a dispatcher and a sink. `writer` writes each batch; `policy` is advanced from outside (the
     watcher, or a test), which then calls `notify()`."""
 
-    def __init__(self, cfg: OrchestratorConfig, max_steps: int, source: TaskSource, runner: RolloutRunner,
-                 writer: BatchWriter, policy: Policy, start_step: int = 0, servers: Servers | None = None,
-                 meter: CutMeter | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        max_steps: int,
+        source: TaskSource,
+        runner: RolloutRunner,
+        writer: BatchWriter,
+        policy: Policy,
+        start_step: int = 0,
+        servers: Servers | None = None,
+        meter: CutMeter | None = None,
+    ):
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
         self.servers = servers or AlwaysServing()
         self.meter = meter or CutMeter()
         self.sink = Sink(cfg.batch_size, cfg.off_policy_bound)
-        self.dispatcher = Dispatcher(source, runner, policy, cfg.group_size, cfg.max_inflight, cfg.rollout_timeout_s,
-                                     self._deliver, self.may_admit)  # fmt: skip
+        self.dispatcher = Dispatcher(
+            source,
+            runner,
+            policy,
+            cfg.group_size,
+            cfg.max_inflight,
+            cfg.rollout_timeout_s,
+            self._deliver,
+            self.may_admit,
+        )
         # an environment that fails every rollout for 5 batches' worth stops the run; a server that dies can fail what
         # is in flight and its replacements before the watcher notices (2 x max_inflight), and resets the count
         self.max_failed_streak = 5 * cfg.batch_size + 2 * cfg.max_inflight
@@ -109,8 +126,14 @@ class Orchestrator:
             await self.dispatcher.stop("the run has all its batches" if self.step >= self.max_steps else "stopping")
             dispatching.cancel()
         ok, failed, cancelled = self._rollout_counts()
-        log.info("done: %d batches; rollouts dispatched %d = ok %d + failed %d + cancelled %d", self.step,
-                 self.dispatcher.counts.dispatched, ok, failed, cancelled)  # fmt: skip
+        log.info(
+            "done: %d batches; rollouts dispatched %d = ok %d + failed %d + cancelled %d",
+            self.step,
+            self.dispatcher.counts.dispatched,
+            ok,
+            failed,
+            cancelled,
+        )
 
     def _rollout_counts(self) -> tuple[int, int, int]:
         c = self.dispatcher.counts
@@ -135,8 +158,10 @@ class Orchestrator:
             self._recoveries_seen, self._failed_streak = self.servers.recoveries, 0
         self._failed_streak += item.failed_rollouts
         if self._failed_streak >= self.max_failed_streak and self._error is None:
-            self._error = RunError(f"{self._failed_streak} rollouts in a row failed; the reasons are logged "
-                                       "above (environment, reward function or server)")  # fmt: skip
+            self._error = RunError(
+                f"{self._failed_streak} rollouts in a row failed; the reasons are logged "
+                "above (environment, reward function or server)"
+            )
 
     def _try_cut(self) -> Cut | None:
         cfg = self.cfg
@@ -152,20 +177,35 @@ class Orchestrator:
         return self.sink.cut_all(self.step) if cfg.drain_per_step else self.sink.cut(self.step)
 
     async def _write(self, cut: Cut) -> None:
-        now_gauges = {M.POLICY_VERSION: float(self.policy.version), M.INFLIGHT: float(self.dispatcher.inflight_rollouts),
-                      M.BUFFERED: float(self.sink.buffered)}  # fmt: skip
+        now_gauges = {
+            M.POLICY_VERSION: float(self.policy.version),
+            M.INFLIGHT: float(self.dispatcher.inflight_rollouts),
+            M.BUFFERED: float(self.sink.buffered),
+        }
         stats = self.meter.row(cut, self._rollout_counts(), self.servers.load_s, now_gauges)
         self.step += 1  # before the write's await: the dispatcher must never weigh admissions against a stale step
         with writing(f"batch of step {cut.step}", "the trainer never sees a partial batch"):
             await asyncio.to_thread(self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples)
-        cancelled = self.dispatcher.cancel_older_than(self.step - self.cfg.off_policy_bound,
-                                                      f"too stale for step {self.step}")  # fmt: skip
+        cancelled = self.dispatcher.cancel_older_than(
+            self.step - self.cfg.off_policy_bound, f"too stale for step {self.step}"
+        )
         if cancelled:
-            log.info("cancelled %d in-flight group(s) dispatched before policy v%d", cancelled,
-                     self.step - self.cfg.off_policy_bound)  # fmt: skip
+            log.info(
+                "cancelled %d in-flight group(s) dispatched before policy v%d",
+                cancelled,
+                self.step - self.cfg.off_policy_bound,
+            )
         for reason, count in self._failure_reasons.most_common(8):
             log.warning("step %d: %d failed rollout trace(s): %s", cut.step, count, reason)
         self._failure_reasons.clear()
-        log.info("step %d: reward %.3f, %d samples (policy v%d, off-policy max %d, failed %d, dropped %d), %.1fs",
-                 cut.step, stats[M.REWARD_MEAN], len(cut.samples), self.policy.version, stats[M.OFF_POLICY_MAX],
-                 stats[M.ROLLOUTS_FAILED], cut.dropped, stats[M.BATCH_S])  # fmt: skip
+        log.info(
+            "step %d: reward %.3f, %d samples (policy v%d, off-policy max %d, failed %d, dropped %d), %.1fs",
+            cut.step,
+            stats[M.REWARD_MEAN],
+            len(cut.samples),
+            self.policy.version,
+            stats[M.OFF_POLICY_MAX],
+            stats[M.ROLLOUTS_FAILED],
+            cut.dropped,
+            stats[M.BATCH_S],
+        )

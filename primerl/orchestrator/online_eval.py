@@ -54,21 +54,30 @@ class OnlineEval:
 
     async def finish(self, policy: Policy) -> None:
         """After the last batch: wait until the final policy is served, then evaluate it."""
-        await wait_until_async(lambda: policy.version >= self.max_steps, f"policy v{self.max_steps} to be served",
-                               note_every_s=60)  # fmt: skip
+        await wait_until_async(
+            lambda: policy.version >= self.max_steps, f"policy v{self.max_steps} to be served", note_every_s=60
+        )
         await self.before_load(self.max_steps)
 
     async def run(self, version: int) -> None:
         row: dict[str, float] = {}
         for suite in self.suites:
             started = time.perf_counter()
-            results = await run_tasks(suite.runner, suite.tasks, self.cfg.samples_per_task, self.cfg.max_inflight,
-                                      self.timeout_s)  # fmt: skip
+            results = await run_tasks(
+                suite.runner, suite.tasks, self.cfg.samples_per_task, self.cfg.max_inflight, self.timeout_s
+            )
             scores = summarize(results, self.cfg.k, self.cfg.success_threshold)
             scores["wall_s"] = time.perf_counter() - started
             row |= {f"{suite.name}/{key.replace('@', '_at_')}": value for key, value in scores.items()}
-            log.info("eval of policy v%d on %s: reward %.3f over %d rollouts (%d failed) in %.1fs", version, suite.name,
-                     scores.get("reward_mean", float("nan")), scores["rollouts"], scores["failures"], scores["wall_s"])  # fmt: skip
+            log.info(
+                "eval of policy v%d on %s: reward %.3f over %d rollouts (%d failed) in %.1fs",
+                version,
+                suite.name,
+                scores.get("reward_mean", float("nan")),
+                scores["rollouts"],
+                scores["failures"],
+                scores["wall_s"],
+            )
         append_metrics(self.run_dir, EVAL, version, row)
         self.done.add(version)
         while self.next_mark <= version:

@@ -97,8 +97,12 @@ class ReplicaRunner:
     """A `RolloutRunner` over per-replica runners (`runners[i]` sends its requests to replica i). With `make_runner`
     (a replica's base URL -> its runner), a replica that moves gets a new runner for its new address."""
 
-    def __init__(self, runners: Sequence[RolloutRunner], replicas: Replicas,
-                 make_runner: Callable[[str], RolloutRunner] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        runners: Sequence[RolloutRunner],
+        replicas: Replicas,
+        make_runner: Callable[[str], RolloutRunner] | None = None,
+    ):
         if len(runners) != len(replicas):
             raise ValueError(f"{len(runners)} runners for {len(replicas)} replicas")
         self.runners, self.replicas = list(runners), replicas

@@ -63,8 +63,16 @@ class Sink:
                 "messages": rollout.transcript,
             }
             for i, branch in enumerate(rollout.branches):
-                sample = Sample(branch.token_ids, branch.sampled_mask, branch.logprobs, rollout.reward, advantage,
-                                group.version, group.task_key, finished.last_version)  # fmt: skip
+                sample = Sample(
+                    branch.token_ids,
+                    branch.sampled_mask,
+                    branch.logprobs,
+                    rollout.reward,
+                    advantage,
+                    group.version,
+                    group.task_key,
+                    finished.last_version,
+                )
                 self.buffer.append(_Buffered(sample, rollout, example) if i == 0 else _Buffered(sample))
 
     def drop_stale(self, step: int) -> int:

@@ -51,8 +51,13 @@ class CutMeter:
     """What changed since the previous cut. The cut loop reports each rollout's wall time (`rollout_seconds`) and
     when a ready cut started to wait for a newer policy (`blocked_since`); `row` reads and resets the rest."""
 
-    def __init__(self, env_names: Sequence[str] = (), idle: IdleSampler | None = None,
-                 replicas: "Replicas | None" = None, env_workers: "Sequence[EnvWorkers]" = ()):  # fmt: skip
+    def __init__(
+        self,
+        env_names: Sequence[str] = (),
+        idle: IdleSampler | None = None,
+        replicas: "Replicas | None" = None,
+        env_workers: "Sequence[EnvWorkers]" = (),
+    ):
         self.env_names = list(env_names)  # a mixture's envs: per-env metrics env/<name>/...
         self.idle, self.replicas, self.env_workers = idle, replicas, env_workers
         self.loop_lag = LoopLag()  # run by the cut loop
@@ -63,8 +68,9 @@ class CutMeter:
         self._load_s = 0.0
         self._rerouted = 0
 
-    def row(self, cut: Cut, counts: tuple[int, int, int], load_s: float, now_gauges: dict[str, float]
-            ) -> dict[str, float]:  # fmt: skip
+    def row(
+        self, cut: Cut, counts: tuple[int, int, int], load_s: float, now_gauges: dict[str, float]
+    ) -> dict[str, float]:
         """The cut's metrics row. `counts`: rollouts ok, failed, cancelled so far; `load_s`: seconds spent loading
         weights so far; `now_gauges`: values read at the cut (policy version, in flight, buffered)."""
         now = time.perf_counter()

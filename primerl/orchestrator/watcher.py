@@ -35,10 +35,17 @@ MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they
 
 
 class Watcher:
-    def __init__(self, run_dir: Path, replicas: Replicas, policy: Policy, poll_s: float,
-                 recovery_timeout_s: float, on_change: Callable[[], None] = lambda: None,
-                 before_load: Callable[[int], Awaitable[None]] | None = None,
-                 addresses: Callable[[], list[str | None] | None] = lambda: None):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        replicas: Replicas,
+        policy: Policy,
+        poll_s: float,
+        recovery_timeout_s: float,
+        on_change: Callable[[], None] = lambda: None,
+        before_load: Callable[[int], Awaitable[None]] | None = None,
+        addresses: Callable[[], list[str | None] | None] = lambda: None,
+    ):
         self.run_dir, self.replicas, self.policy = run_dir, replicas, policy
         self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
         self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
@@ -74,8 +81,10 @@ class Watcher:
                 except (httpx.HTTPError, RuntimeError) as err:
                     self._load_failures += 1
                     if self._load_failures >= MAX_LOAD_FAILURES:
-                        raise RunError(f"loading new weights failed {self._load_failures} times in a row on "
-                                       f"replicas that are up: {type(err).__name__}: {err}") from err  # fmt: skip
+                        raise RunError(
+                            f"loading new weights failed {self._load_failures} times in a row on "
+                            f"replicas that are up: {type(err).__name__}: {err}"
+                        ) from err
                     log.warning("weight update failed (%s: %s); checking the servers", type(err).__name__, err)
                     await self.probe()
                 self._start_recoveries()
@@ -119,8 +128,9 @@ class Watcher:
     async def _load(self, version: int) -> None:
         up = [i for i in range(len(self.replicas)) if self.replicas.up[i]]
         path = weights_path(self.run_dir, version)
-        results = await asyncio.gather(*(self.replicas.clients[i].load_weights(path, version) for i in up),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            *(self.replicas.clients[i].load_weights(path, version) for i in up), return_exceptions=True
+        )
         seconds = [r for r in results if isinstance(r, float)]
         for index, result in zip(up, results, strict=True):
             if isinstance(result, BaseException):
@@ -132,8 +142,14 @@ class Watcher:
                 self.replicas.mark_down(index, f"the load of v{version} failed ({type(result).__name__})")
         if not seconds:
             return  # every replica went down: recoveries load the newest when they come back
-        log.info("policy v%d -> v%d loaded in flight in %.2fs (%d replica%s)", self.policy.version, version,
-                 max(seconds), len(seconds), "" if len(seconds) == 1 else "s")  # fmt: skip
+        log.info(
+            "policy v%d -> v%d loaded in flight in %.2fs (%d replica%s)",
+            self.policy.version,
+            version,
+            max(seconds),
+            len(seconds),
+            "" if len(seconds) == 1 else "s",
+        )
         self.policy.version = version
         self._load_failures = 0
         self.load_s += max(seconds)
@@ -176,8 +192,11 @@ class Watcher:
             except RunError:
                 if not self.replicas.serving:
                     raise
-                log.warning("inference server %s still down after %.0fs; the other replicas serve", client.base_url,
-                            self.recovery_timeout_s)  # fmt: skip
+                log.warning(
+                    "inference server %s still down after %.0fs; the other replicas serve",
+                    client.base_url,
+                    self.recovery_timeout_s,
+                )
             except (httpx.HTTPError, RuntimeError) as err:
                 log.warning("inference server %s: %s; waiting again", client.base_url, err)
                 await asyncio.sleep(1.0)

@@ -19,8 +19,15 @@ RESTORE_ROWS = 3  # a killed predecessor can have lost only its last row; a few 
 
 
 class BatchWriter:
-    def __init__(self, run_dir: str | Path, seq_len: int, micro_batch_size: int, pad_id: int, temperature: float,
-                 async_level: int):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        seq_len: int,
+        micro_batch_size: int,
+        pad_id: int,
+        temperature: float,
+        async_level: int,
+    ):
         self.run_dir = Path(run_dir)
         self.seq_len, self.micro_batch_size, self.pad_id = seq_len, micro_batch_size, pad_id
         self.temperature, self.async_level = temperature, async_level
@@ -36,12 +43,21 @@ class BatchWriter:
             position = batch.data_position
         return start, position
 
-    def write(self, step: int, samples: list[Sample], metrics: dict[str, float], data_position: int,
-              examples: list[dict]) -> None:  # fmt: skip
+    def write(
+        self, step: int, samples: list[Sample], metrics: dict[str, float], data_position: int, examples: list[dict]
+    ) -> None:
         started = time.perf_counter()
-        batch = build_batch(samples, step, self.seq_len, self.micro_batch_size, self.pad_id,
-                            temperature=self.temperature, async_level=self.async_level, metrics=metrics,
-                            data_position=data_position)  # fmt: skip
+        batch = build_batch(
+            samples,
+            step,
+            self.seq_len,
+            self.micro_batch_size,
+            self.pad_id,
+            temperature=self.temperature,
+            async_level=self.async_level,
+            metrics=metrics,
+            data_position=data_position,
+        )
         write_rollout_batch(self.run_dir, batch)
         # only in the metrics row: the batch file's own copy of the metrics was written before this was known
         metrics = {**metrics, OrchestratorMetric.WRITE_BATCH_S: time.perf_counter() - started}

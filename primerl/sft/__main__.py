@@ -40,8 +40,12 @@ STOP_WINDOW = 50  # steps in the mean that `sft.stop_loss` is compared with: ~10
 
 def assistant_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over assistant tokens (labels != IGNORE)."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")  # fmt: skip
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
 
 
 def stop_reached(losses: list[float], stop_loss: float | None) -> bool:
@@ -67,8 +71,9 @@ def sft_step(trainer: Trainer, tokenizer, conversations: list, s: SftConfig, ste
     """Collective: one optimizer step on this rank's share of the batch. Returns (global loss, global tokens)."""
     info = trainer.info
     mine = conversations[info.rank :: info.world_size]
-    packed = pack([conversation_example(tokenizer, c.messages, c.tools) for c in mine], s.seq_len,
-                  tokenizer.pad_token_id)  # fmt: skip
+    packed = pack(
+        [conversation_example(tokenizer, c.messages, c.tools) for c in mine], s.seq_len, tokenizer.pad_token_id
+    )
     global_tokens = all_reduce_sum(packed.num_loss_tokens, info.device)
 
     def loss_fn(logits: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -95,8 +100,10 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
         if stop_reached(losses, cfg.sft.stop_loss):
             if info.is_main:
-                log.info(f"stopping at step {step + 1}: mean loss of the last {STOP_WINDOW} steps "
-                         f"{sum(losses[-STOP_WINDOW:]) / STOP_WINDOW:.4f} <= sft.stop_loss={cfg.sft.stop_loss}")  # fmt: skip
+                log.info(
+                    f"stopping at step {step + 1}: mean loss of the last {STOP_WINDOW} steps "
+                    f"{sum(losses[-STOP_WINDOW:]) / STOP_WINDOW:.4f} <= sft.stop_loss={cfg.sft.stop_loss}"
+                )
             break
         if cfg.sft.save_every and (step + 1) % cfg.sft.save_every == 0 and step + 1 < cfg.sft.steps:
             trainer.export(out_dir.with_name(f"{out_dir.name}-step{step + 1}"))
@@ -136,8 +143,18 @@ def main(dict_cfg: DictConfig) -> None:
         wall_s = time.perf_counter() - started
         if info.is_main:
             steps = len(losses)  # fewer than sft.steps when sft.stop_loss stopped it
-            record(cfg, dict_cfg, {"losses": losses, "loss_final": losses[-1], "steps": steps, "train_wall_s": wall_s,
-                                   "world_size": info.world_size, "checkpoint": str(out_dir)})  # fmt: skip
+            record(
+                cfg,
+                dict_cfg,
+                {
+                    "losses": losses,
+                    "loss_final": losses[-1],
+                    "steps": steps,
+                    "train_wall_s": wall_s,
+                    "world_size": info.world_size,
+                    "checkpoint": str(out_dir),
+                },
+            )
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {wall_s:.0f}s; checkpoint {out_dir}")
             log.info(f"to score it on held-out tasks: python -m primerl.eval <these overrides> eval.model={out_dir}")
     finally:

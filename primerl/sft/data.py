@@ -41,8 +41,9 @@ def conversation_example(tokenizer, messages: list[dict], tools: list[dict] | No
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
     def ids(upto: int, generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False,
-                                             add_generation_prompt=generation_prompt)  # fmt: skip
+        text = tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
         return tokenizer.encode(text if generation_prompt else text.removesuffix("\n"), add_special_tokens=False)
 
     full_ids = ids(last + 1, False)
@@ -90,8 +91,9 @@ def _dataset_dir(path: str, directory: Path):
     try:
         import datasets
     except ImportError:
-        raise ConfigError("sft.data", f"{path} is a directory: reading a datasets directory needs `pip install "
-                          "datasets`") from None  # fmt: skip
+        raise ConfigError(
+            "sft.data", f"{path} is a directory: reading a datasets directory needs `pip install datasets`"
+        ) from None
     try:
         dataset = datasets.load_from_disk(str(directory))
     except FileNotFoundError:

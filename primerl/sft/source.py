@@ -16,8 +16,11 @@ def check_demonstrations(cfg: RunConfig) -> None:
     if cfg.sft.data:
         load_conversations(cfg.sft.data)
     elif sft_data_source(cfg) is None:
-        raise ConfigError("sft.data", f"no demonstrations for env.id={cfg.env.id}: give a chat dataset "
-                          "(sft.data=FILE.jsonl), or give the env's package a `demonstrations` hook")  # fmt: skip
+        raise ConfigError(
+            "sft.data",
+            f"no demonstrations for env.id={cfg.env.id}: give a chat dataset "
+            "(sft.data=FILE.jsonl), or give the env's package a `demonstrations` hook",
+        )
     else:
         generated_conversations(cfg, 1)
 

@@ -82,8 +82,9 @@ def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
     return start, logged
 
 
-def train_on_batch(trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp_rank: int, dp: int, step: int
-                   ) -> dict[str, float]:  # fmt: skip
+def train_on_batch(
+    trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp_rank: int, dp: int, step: int
+) -> dict[str, float]:
     """Collective: one RL step on `batch`. Returns the step's metrics row, less the timings around it."""
 
     def loss_fn(logits: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -106,8 +107,15 @@ def train_on_batch(trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp
     }
 
 
-def save(trainer: Trainer, checkpointer: Checkpointer, cfg: TrainerConfig, run_dir: Path, step: int,
-         metrics: dict[str, float], keep: int) -> dict[str, float]:  # fmt: skip
+def save(
+    trainer: Trainer,
+    checkpointer: Checkpointer,
+    cfg: TrainerConfig,
+    run_dir: Path,
+    step: int,
+    metrics: dict[str, float],
+    keep: int,
+) -> dict[str, float]:
     """Collective: checkpoint (every `checkpoint_every` steps and at the end), then publish policy step+1. Returns
     the timings."""
     started = time.perf_counter()
@@ -155,9 +163,11 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
 def report(run_dir: Path, step: int, metrics: dict[str, float], replayed: bool) -> None:
     if not replayed:
         append_metrics(run_dir, TRAINER, step, metrics)
-    log.info(f"step {step}{' replayed' if replayed else ''}: loss {metrics[TrainerMetric.LOSS]:+.4f} mismatch_kl "
-             f"{metrics[TrainerMetric.MISMATCH_KL]:.2e} grad_norm {metrics[TrainerMetric.GRAD_NORM]:.3f} "
-             f"({metrics[TrainerMetric.STEP_S]:.1f}s, waited {metrics[TrainerMetric.WAIT_BATCH_S]:.1f}s)")  # fmt: skip
+    log.info(
+        f"step {step}{' replayed' if replayed else ''}: loss {metrics[TrainerMetric.LOSS]:+.4f} mismatch_kl "
+        f"{metrics[TrainerMetric.MISMATCH_KL]:.2e} grad_norm {metrics[TrainerMetric.GRAD_NORM]:.3f} "
+        f"({metrics[TrainerMetric.STEP_S]:.1f}s, waited {metrics[TrainerMetric.WAIT_BATCH_S]:.1f}s)"
+    )
 
 
 @hydra_app()

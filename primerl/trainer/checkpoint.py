@@ -72,15 +72,23 @@ def _file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path, step: int,
-                    metrics: dict, keep: int, is_main: bool) -> Path:  # fmt: skip
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    run_dir: str | Path,
+    step: int,
+    metrics: dict,
+    keep: int,
+    is_main: bool,
+) -> Path:
     """Collective: every rank calls it. Keeps the newest `keep` checkpoints."""
     flat, _, _ = _flat_state(model, optimizer)
     return _write(flat, run_dir, step, metrics, keep, is_main, group=None)
 
 
-def _write(flat: dict, run_dir: str | Path, step: int, metrics: dict, keep: int, is_main: bool,
-           group: dist.ProcessGroup | None) -> Path:  # fmt: skip
+def _write(
+    flat: dict, run_dir: str | Path, step: int, metrics: dict, keep: int, is_main: bool, group: dist.ProcessGroup | None
+) -> Path:
     """Collective over `group`: stage, save, digest, mark STABLE, rename into place, drop old ones."""
     target = checkpoint_path(run_dir, step)
     staging = target.with_name(f".{target.name}.partial")
@@ -89,8 +97,9 @@ def _write(flat: dict, run_dir: str | Path, step: int, metrics: dict, keep: int,
         staging.mkdir(parents=True)
     dist.barrier(group=group)
     try:
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True),
-                 process_group=group)  # fmt: skip
+        dcp.save(
+            flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True), process_group=group
+        )
         dist.barrier(group=group)
         if is_main:
             files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
@@ -149,8 +158,9 @@ class AsyncCheckpointer(Checkpointer):
         flat, _, _ = _flat_state(model, optimizer)
         # a copy in host memory (on a GPU: not a second copy on the device); DTensors stay DTensors, so DCP reshards
         copy = {key: value.detach().to("cpu", copy=True) for key, value in flat.items()}
-        future = self.writer.submit(_write, copy, self.run_dir, step, dict(metrics), self.keep, self.is_main,
-                                    self.group)  # fmt: skip # the caller adds timings to its metrics
+        future = self.writer.submit(
+            _write, copy, self.run_dir, step, dict(metrics), self.keep, self.is_main, self.group
+        )  # the caller adds timings to its metrics
         self.in_flight = (step, future)
 
     def wait(self) -> None:

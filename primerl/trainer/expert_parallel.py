@@ -51,15 +51,16 @@ class ExpertParallelExperts(nn.Module):
         received = differentiable_all_to_all(
             torch.empty(
                 sum(recv_splits), hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device
-            ),  # fmt: skip
+            ),
             hidden_states[token_of].contiguous(),
             recv_splits,
             send_splits,
             group=self.group,
         )
         outputs = self._run_local_experts(received, recv_ids)
-        returned = differentiable_all_to_all(torch.empty_like(hidden_states[token_of]), outputs, send_splits,
-                                             recv_splits, group=self.group)  # fmt: skip
+        returned = differentiable_all_to_all(
+            torch.empty_like(hidden_states[token_of]), outputs, send_splits, recv_splits, group=self.group
+        )
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
         final = torch.zeros_like(hidden_states)
         return final.index_add(0, token_of, returned * weights)

@@ -32,8 +32,12 @@ class LossParts:
 
     def sums(self) -> dict[str, float]:
         """What the trainer adds up over micro-batches and ranks."""
-        return {"mismatch_kl": self.mismatch_kl_sum, "masked": self.masked_tokens, "entropy": self.entropy_sum,
-                "tokens": self.tokens}  # fmt: skip
+        return {
+            "mismatch_kl": self.mismatch_kl_sum,
+            "masked": self.masked_tokens,
+            "entropy": self.entropy_sum,
+            "tokens": self.tokens,
+        }
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -42,8 +46,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def policy_loss(logits: torch.Tensor, micro: dict[str, torch.Tensor], total_tokens: int, cfg: LossConfig,
-                temperature: float = 1.0) -> LossParts:  # fmt: skip
+def policy_loss(
+    logits: torch.Tensor, micro: dict[str, torch.Tensor], total_tokens: int, cfg: LossConfig, temperature: float = 1.0
+) -> LossParts:
     mask = micro["loss_mask"][:, 1:]
     logp = token_logprobs(logits, micro["input_ids"], temperature)
     log_ratio = logp - micro["inference_logprobs"][:, 1:]

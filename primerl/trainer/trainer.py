@@ -48,17 +48,33 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo, base: str | Path,
-                 max_grad_norm: float, max_nonfinite_steps: int, context: ContextParallel | None = None,
-                 expert_params: set[torch.nn.Parameter] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        info: DistInfo,
+        base: str | Path,
+        max_grad_norm: float,
+        max_nonfinite_steps: int,
+        context: ContextParallel | None = None,
+        expert_params: set[torch.nn.Parameter] | None = None,
+    ):
         self.model, self.optimizer, self.info, self.base = model, optimizer, info, str(base)
         self.max_grad_norm, self.max_nonfinite_steps = max_grad_norm, max_nonfinite_steps
         self.context, self.expert_params = context, expert_params or set()
         self.skipped_in_a_row = 0
 
     @classmethod
-    def build(cls, base: str | Path, info: DistInfo, optim: OptimConfig, dtype: str = "float32", cp: int = 1,
-              ep: int = 1, max_nonfinite_steps: int = 3) -> "Trainer":  # fmt: skip
+    def build(
+        cls,
+        base: str | Path,
+        info: DistInfo,
+        optim: OptimConfig,
+        dtype: str = "float32",
+        cp: int = 1,
+        ep: int = 1,
+        max_nonfinite_steps: int = 3,
+    ) -> "Trainer":
         """Load the HF model at `base` in `dtype`, enable CP over groups of `cp` ranks, shard it with FSDP2 over
         every rank (a CP group's ranks share each row, so they share micro-batches), EP over the same mesh when
         `ep` > 1; then AdamW. Seed torch first: a model built here (not loaded) starts the same on every rank."""
@@ -68,8 +84,9 @@ class Trainer:
         if context:
             context.enable(model)
         expert_params = shard_model(model, data_mesh(info, info.world_size), ep)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
-                                      betas=tuple(optim.betas))  # fmt: skip
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+        )
         return cls(model, optimizer, info, base, optim.max_grad_norm, max_nonfinite_steps, context, expert_params)
 
     def set_lr(self, lr: float) -> None:
@@ -126,11 +143,15 @@ class Trainer:
             return
         self.skipped_in_a_row += 1
         if self.info.is_main:
-            log.warning(f"step {index}: loss {loss} / grad norm {grad_norm} not finite: update skipped "
-                        f"({self.skipped_in_a_row} in a row; at most {self.max_nonfinite_steps})")  # fmt: skip
+            log.warning(
+                f"step {index}: loss {loss} / grad norm {grad_norm} not finite: update skipped "
+                f"({self.skipped_in_a_row} in a row; at most {self.max_nonfinite_steps})"
+            )
         if self.skipped_in_a_row >= self.max_nonfinite_steps:
-            raise RunError(f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (last: "
-                           f"step {index}); the run stops at its last finite checkpoint")  # fmt: skip
+            raise RunError(
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (last: "
+                f"step {index}); the run stops at its last finite checkpoint"
+            )
 
     def restore(self, path: Path) -> dict:
         """Collective: model and optimizer state from the checkpoint at `path`; returns its trainer_state.json."""

@@ -11,8 +11,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from primerl.transport.atomic import atomic_dir
 
-_COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
+_COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -55,8 +55,10 @@ class RolloutBatch:
 
 class CorruptBatch(RunError):
     def __init__(self, path: Path, why: str):
-        super().__init__(f"rollout batch {path} is corrupt ({why}); move it and every later batch aside and rerun: "
-                         "the orchestrator writes them again")  # fmt: skip
+        super().__init__(
+            f"rollout batch {path} is corrupt ({why}); move it and every later batch aside and rerun: "
+            "the orchestrator writes them again"
+        )
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
@@ -99,7 +101,9 @@ def read_rollout_batch(path: str | Path) -> RolloutBatch:
         raise CorruptBatch(path, "its data does not match its recorded sha256")
     missing = [key for key in SAMPLING_FIELDS if key not in meta]
     if missing:
-        raise RunError(f"rollout batch {path} records no {' or '.join(missing)} (written by an older primerl): "
-                       "start a new run, or move it and every later batch aside so the orchestrator writes them again")  # fmt: skip
+        raise RunError(
+            f"rollout batch {path} records no {' or '.join(missing)} (written by an older primerl): "
+            "start a new run, or move it and every later batch aside so the orchestrator writes them again"
+        )
     micro = [{k: tensors[f"mb{i}.{k}"] for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))]
     return RolloutBatch(micro_batches=micro, **meta)

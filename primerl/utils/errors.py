@@ -33,5 +33,7 @@ def writing(what: str, consequence: str):
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
         why = (str(cause).splitlines() or [""])[0][:200]
-        raise RunError(f"could not write the {what} ({type(cause).__name__}: {why}); "
-                       f"{consequence}. Free space and rerun: the run resumes") from err  # fmt: skip
+        raise RunError(
+            f"could not write the {what} ({type(cause).__name__}: {why}); "
+            f"{consequence}. Free space and rerun: the run resumes"
+        ) from err

@@ -67,8 +67,9 @@ class Liveness:
         pulse.finished += 1
         pulse.silent_s = 0.0
         if first and self.fresh_losses and pulse.watched_s <= self.grace_s:
-            log.info("%s: a new member worked within %.0fs; grace back to %.0fs", self.what, pulse.watched_s,
-                     self.grace_s)  # fmt: skip
+            log.info(
+                "%s: a new member worked within %.0fs; grace back to %.0fs", self.what, pulse.watched_s, self.grace_s
+            )
             self.fresh_losses = 0
 
     def lost(self, pulse: Pulse) -> None:
@@ -79,5 +80,9 @@ class Liveness:
         before = self.backoff
         self.fresh_losses += 1
         if self.backoff > before:
-            log.warning("%s: %d lost before finishing any work; the grace of new ones backs off to %.0fs", self.what,
-                        self.fresh_losses, self.grace_s * self.backoff)  # fmt: skip
+            log.warning(
+                "%s: %d lost before finishing any work; the grace of new ones backs off to %.0fs",
+                self.what,
+                self.fresh_losses,
+                self.grace_s * self.backoff,
+            )

@@ -29,8 +29,9 @@ class WaitTimeout(RunError):
 class _Polls:
     """Deadline, back-off and progress notes of one wait."""
 
-    def __init__(self, what: str, timeout_s: float | None, poll_s: float, max_poll_s: float | None,
-                 note_every_s: float | None):  # fmt: skip
+    def __init__(
+        self, what: str, timeout_s: float | None, poll_s: float, max_poll_s: float | None, note_every_s: float | None
+    ):
         self.what, self.timeout_s, self.note_every_s = what, timeout_s, note_every_s
         self.delay, self.max_delay = poll_s, max_poll_s or poll_s
         self.started = self.noted = time.monotonic()
@@ -47,8 +48,14 @@ class _Polls:
         return delay
 
 
-def wait_until(condition: Callable[[], T], what: str, timeout_s: float | None = None, poll_s: float = 0.2,
-               max_poll_s: float | None = None, note_every_s: float | None = None) -> T:  # fmt: skip
+def wait_until(
+    condition: Callable[[], T],
+    what: str,
+    timeout_s: float | None = None,
+    poll_s: float = 0.2,
+    max_poll_s: float | None = None,
+    note_every_s: float | None = None,
+) -> T:
     """Block until `condition()` is truthy; returns its value."""
     polls = _Polls(what, timeout_s, poll_s, max_poll_s, note_every_s)
     while not (result := condition()):
@@ -56,9 +63,14 @@ def wait_until(condition: Callable[[], T], what: str, timeout_s: float | None = 
     return result
 
 
-async def wait_until_async(condition: Callable[[], T | Awaitable[T]], what: str, timeout_s: float | None = None,
-                           poll_s: float = 0.2, max_poll_s: float | None = None,
-                           note_every_s: float | None = None) -> T:  # fmt: skip
+async def wait_until_async(
+    condition: Callable[[], T | Awaitable[T]],
+    what: str,
+    timeout_s: float | None = None,
+    poll_s: float = 0.2,
+    max_poll_s: float | None = None,
+    note_every_s: float | None = None,
+) -> T:
     """`wait_until` on the event loop; `condition` may be a coroutine function."""
     polls = _Polls(what, timeout_s, poll_s, max_poll_s, note_every_s)
     while True:

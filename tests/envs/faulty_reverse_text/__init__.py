@@ -80,8 +80,12 @@ class FaultyReverseTextTaskset(vf.Taskset[FaultyTask, FaultyConfig]):
 
     def load(self):
         for task in ReverseTextTaskset(self.config).load():
-            data = FaultyData(**task.data.model_dump(), process_faults=self.config.process_faults,
-                              block_s=self.config.block_s, fault_dir=self.config.fault_dir)  # fmt: skip
+            data = FaultyData(
+                **task.data.model_dump(),
+                process_faults=self.config.process_faults,
+                block_s=self.config.block_s,
+                fault_dir=self.config.fault_dir,
+            )
             yield FaultyTask(data, self.config.task)
 
 
