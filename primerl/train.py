@@ -97,10 +97,11 @@ def make_launcher(cfg):
 
 def final_reward(cfg) -> float | None:
     """The mean reward of the last step: what a Hydra sweeper (e.g. Optuna) optimises."""
-    from primerl.metrics import read_metrics
+    from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, read_metrics
 
-    rows = [r for r in read_metrics(cfg.output_dir, "orchestrator") if r.get("reward/mean") is not None]
-    return rows[-1]["reward/mean"] if rows else None
+    reward = OrchestratorMetric.REWARD_MEAN
+    rows = [r for r in read_metrics(cfg.output_dir, ORCHESTRATOR) if r.get(reward) is not None]
+    return rows[-1][reward] if rows else None
 
 
 def refuse_taken_ports(cfg: RunConfig) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers, run_processes
-from primerl.transport.atomic import stale_temporaries
+from primerl.transport.atomic import shared_staging_path, stale_temporaries
 from primerl.transport.run_dir import vllm_scratch_prefix
 from primerl.utils.errors import RunError
 
@@ -77,11 +77,17 @@ def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
     staging = tempfile.mkdtemp(prefix=".step_000003-", dir=run / "weights")
     fd, partial = tempfile.mkstemp(prefix=".ledger_offsets.json-", suffix=".tmp", dir=run)
     os.close(fd)
+    shared = shared_staging_path(run / "checkpoints" / "step_000002")  # a checkpoint's ranks write it together
+    shared.mkdir(parents=True)
     scratch = tempfile.mkdtemp(prefix=vllm_scratch_prefix(run))
     try:
         assert leftover.pid in run_processes(run) and other.pid not in run_processes(run)
         assert stale_temporaries(run) == sorted(
-            [run / "weights" / os.path.basename(staging), run / os.path.basename(partial)]
+            [
+                run / "checkpoints" / shared.name,
+                run / "weights" / os.path.basename(staging),
+                run / os.path.basename(partial),
+            ]
         )
         clear_leftovers(run, grace_s=0.5)
         assert leftover.wait(timeout=10) == -signal.SIGKILL

@@ -21,7 +21,6 @@ import asyncio
 import collections
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from pathlib import Path
@@ -33,15 +32,14 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.envs.config import EnvConfig
 from primerl.envs.evaluation import TaskResult, run_tasks, summarize
-from primerl.transport.atomic import is_stable
-from primerl.transport.run_dir import log_path, vllm_scratch_prefix, weights_path
+from primerl.transport.atomic import is_stable, write_json
+from primerl.transport.run_dir import eval_summary_path, log_path, vllm_scratch_prefix, weights_path
 from primerl.transport.weights import latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 from primerl.utils.process import free_port
 
 log = get_logger("eval")
-SUMMARY_FILE = "eval.json"
 
 
 def model_to_evaluate(cfg: RunConfig) -> tuple[str, int | None]:
@@ -140,7 +138,7 @@ def main(dict_cfg: DictConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info(f"evaluating {model_path} on {cfg.env.id} ({cfg.eval.num_tasks} tasks x {cfg.eval.samples_per_task})")
     summary = evaluate(cfg, model_path) | {"step": step}
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    write_json(eval_summary_path(out_dir), summary, indent=1)
     k, env_id = cfg.eval.k, cfg.env.id
     if "reward_mean" in summary:
         log.info(
@@ -151,7 +149,7 @@ def main(dict_cfg: DictConfig) -> None:
         )
     else:
         log.error(f"{env_id}: every rollout failed: {summary['failure_reasons']}")
-    log.info(f"summary in {out_dir / SUMMARY_FILE}")
+    log.info(f"summary in {eval_summary_path(out_dir)}")
     if cfg.ledger.enabled:
         from primerl.ledger.mlflow_ledger import Ledger
 
@@ -160,7 +158,7 @@ def main(dict_cfg: DictConfig) -> None:
         # MLflow metric names take no "@"
         numbers = {key.replace("@", "_at_"): value for key, value in summary.items() if isinstance(value, int | float)}
         ledger.log_metrics(step or 0, numbers, f"eval/{env_id}/")
-        ledger.log_artifact(out_dir / SUMMARY_FILE)
+        ledger.log_artifact(eval_summary_path(out_dir))
         ledger.finish()
 
 

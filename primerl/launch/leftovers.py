@@ -18,21 +18,20 @@ from pathlib import Path
 from typing import IO
 
 from primerl.transport.atomic import stale_temporaries
-from primerl.transport.run_dir import vllm_scratch_prefix, weights_root
+from primerl.transport.run_dir import driver_lock_path, vllm_scratch_prefix, weights_root
 from primerl.transport.weights import WEIGHTS_DIR_ENV
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
 from primerl.utils.wait import WaitTimeout, wait_until
 
 log = get_logger("train")
-LOCK_FILE = "driver.lock"
 
 
 def claim_run_dir(run_dir: Path) -> IO:
     """Take the run directory's driver lock (keep the returned file open for the driver's life), or raise RunError
     naming the driver that holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / LOCK_FILE, "a+")
+    lock = open(driver_lock_path(run_dir), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from primerl.config.schema import RunConfig
-from primerl.metrics import read_metrics
+from primerl.metrics import ORCHESTRATOR, TRAINER, OrchestratorMetric, TrainerMetric, read_metrics
 from primerl.transport.run_dir import sft_metrics_path, sft_run_dir
 from primerl.utils.log import get_logger
 
@@ -98,14 +98,15 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
 
 
 def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
-    orch = {row["step"]: row for row in read_metrics(run_dir, "orchestrator")}
-    trainer_rows = read_metrics(run_dir, "trainer")
+    orch = {row["step"]: row for row in read_metrics(run_dir, ORCHESTRATOR)}
+    trainer_rows = read_metrics(run_dir, TRAINER)
     for row in trainer_rows[shown:]:
         o = orch.get(row["step"], {})
         log.info(
-            f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get('reward/mean'), '.3f')}"
-            f"  loss {_shown(row.get('loss'), '+.4f')}  mismatch_kl {_shown(row.get('mismatch_kl'), '.1e')}  "
-            f"gen {_shown(o.get('time/generate_s'), '.1f')}s  train {_shown(row.get('time/step_s'), '.1f')}s"
+            f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get(OrchestratorMetric.REWARD_MEAN), '.3f')}"
+            f"  loss {_shown(row.get(TrainerMetric.LOSS), '+.4f')}"
+            f"  mismatch_kl {_shown(row.get(TrainerMetric.MISMATCH_KL), '.1e')}"
+            f"  gen {_shown(o.get(OrchestratorMetric.BATCH_S), '.1f')}s  train {_shown(row.get(TrainerMetric.STEP_S), '.1f')}s"
         )
     return len(trainer_rows)
 

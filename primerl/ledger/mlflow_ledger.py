@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from primerl.config.schema import RunConfig
 from primerl.ledger.system_info import system_tags
 from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER
-from primerl.transport.atomic import atomic_file
-from primerl.transport.run_dir import ledger_record_path
+from primerl.transport.atomic import atomic_file, write_json
+from primerl.transport.run_dir import ledger_offsets_path, ledger_record_path
 
 PARENT_FILE = "ledger_parent.json"
 MAX_PARAM_CHARS = 6000
@@ -158,10 +158,7 @@ class Ledger:
         items = [Param(k[:250], v) for k, v in params.items()]
         for i in range(0, len(items), 100):
             client.log_batch(ledger.run_id, params=items[i : i + 100])
-        record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(
-            json.dumps({"run_id": ledger.run_id, "tracking_uri": tracking_uri(cfg), "experiment_id": experiment})
-        )
+        write_json(record, {"run_id": ledger.run_id, "tracking_uri": tracking_uri(cfg), "experiment_id": experiment})
         ledger._log_config(resolved)
         return ledger
 
@@ -193,7 +190,7 @@ class Ledger:
                 run_name=f"sweep-{sweep_dir.name}",
                 tags={"primerl.kind": "sweep", "primerl.sweep_dir": str(sweep_dir)},
             )
-            path.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": client.tracking_uri}))
+            write_json(path, {"run_id": run.info.run_id, "tracking_uri": client.tracking_uri})
             return run.info.run_id
 
     def log_metrics(
@@ -254,7 +251,7 @@ class MetricsFollower:
     ):
         self.ledger = ledger
         self.sample_every = sample_every
-        self.offsets_file = ledger.run_dir / "ledger_offsets.json"
+        self.offsets_file = ledger_offsets_path(ledger.run_dir)
         saved = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
         self.offsets = {p: int(saved.get(p, 0)) for p in (*processes, self.SAMPLES)}
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.ledger.mlflow_ledger import Ledger
-from primerl.metrics import EVAL, read_metrics
+from primerl.metrics import EVAL, ORCHESTRATOR, OrchestratorMetric, read_metrics
 from primerl.plot import plot_curves
-from primerl.transport.run_dir import samples_path, weights_path
+from primerl.transport.run_dir import reward_plot_path, samples_path, weights_path
 from primerl.transport.weights import latest_stable_version
 
 SFT_RESULTS = ("loss_final", "train_wall_s")
@@ -27,17 +27,16 @@ def record_sft(ledger: Ledger, metrics_file: Path) -> None:
 
 def reward_plot(run_dir: Path, title: str) -> Path | None:
     """The training reward per step, and each online eval's mean reward at the policy versions it scored."""
-    points = [
-        (r["step"], r["reward/mean"]) for r in read_metrics(run_dir, "orchestrator") if r.get("reward/mean") is not None
-    ]
+    reward = OrchestratorMetric.REWARD_MEAN
+    points = [(r["step"], r[reward]) for r in read_metrics(run_dir, ORCHESTRATOR) if r.get(reward) is not None]
     if not points:
         return None
-    curves = {"reward/mean": points}
+    curves = {reward: points}
     for row in read_metrics(run_dir, EVAL):
         for key, value in row.items():
             if key.endswith("/reward_mean") and value is not None:
                 curves.setdefault(f"eval {key.removesuffix('/reward_mean')}", []).append((row["step"], value))
-    return plot_curves(curves, run_dir / "reward.png", title=title)
+    return plot_curves(curves, reward_plot_path(run_dir), title=title)
 
 
 def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:

@@ -7,7 +7,6 @@ gradients. Writes an HF checkpoint to `sft_checkpoint_dir(cfg)` (reused when it 
 `sft_metrics.json` to the output folder.
 """
 
-import json
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from primerl.trainer.config import OptimConfig
 from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.lr_schedule import warmup_cosine
 from primerl.trainer.trainer import MicroBatch, Trainer
-from primerl.transport.atomic import atomic_file, is_stable
+from primerl.transport.atomic import is_stable, write_json
 from primerl.transport.run_dir import sft_metrics_path
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -114,10 +113,7 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
 
 def record(cfg: RunConfig, dict_cfg: DictConfig, metrics: dict) -> None:
     """`sft_metrics.json` in the output folder (atomically), and the ledger's record of it when the ledger is on."""
-    metrics_file = sft_metrics_path(cfg.output_dir)
-    metrics_file.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(metrics_file) as tmp:
-        tmp.write_text(json.dumps(metrics, indent=2))
+    metrics_file = write_json(sft_metrics_path(cfg.output_dir), metrics, indent=2)
     if cfg.ledger.enabled:
         from primerl.ledger.mlflow_ledger import Ledger
         from primerl.ledger.record import record_sft

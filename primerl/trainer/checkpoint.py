@@ -20,6 +20,7 @@ import hashlib
 import json
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from primerl.transport.atomic import STABLE_MARKER, latest_stable
+from primerl.transport.atomic import atomic_dir, latest_stable, shared_staging_path
 from primerl.transport.run_dir import checkpoint_path, checkpoints_root
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
@@ -91,30 +92,19 @@ def _write(
 ) -> Path:
     """Collective over `group`: stage, save, digest, mark STABLE, rename into place, drop old ones."""
     target = checkpoint_path(run_dir, step)
-    staging = target.with_name(f".{target.name}.partial")
-    if is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier(group=group)
-    try:
-        dcp.save(
-            flat, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True), process_group=group
-        )
+    # rank 0 stages, digests, marks STABLE and renames; a failed write (full disk) leaves no staging directory behind
+    with atomic_dir(target, shared=True) if is_main else nullcontext(shared_staging_path(target)) as staging:
+        dist.barrier(group=group)  # the staging directory exists
+        writer = HuggingFaceStorageWriter(str(staging), save_distributed=True)
+        dcp.save(flat, storage_writer=writer, process_group=group)
         dist.barrier(group=group)
         if is_main:
             files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
             state = {"step": step, "world_size": dist.get_world_size(), "metrics": metrics, "files": files}
             (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
-            (staging / STABLE_MARKER).touch()
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-            for old in sorted(target.parent.glob("step_*"))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        if is_main:  # a failed write (full disk) leaves no staging directory behind
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    if is_main:
+        for old in sorted(target.parent.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
     return target
 

@@ -2,6 +2,7 @@
 renamed into place (a rename within one directory is atomic on POSIX). A crash, a kill or a full disk mid-write leaves
 only a dot-named temporary, which no reader looks at, and never a partial target."""
 
+import json
 import os
 import re
 import shutil
@@ -28,13 +29,32 @@ def atomic_file(target: str | Path) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def write_json(target: str | Path, value: object, indent: int | None = None) -> Path:
+    """`value` as JSON at `target`, atomically: a reader sees the old file or the whole new one."""
+    with atomic_file(target) as tmp:
+        tmp.write_text(json.dumps(value, indent=indent))
+    return Path(target)
+
+
+def shared_staging_path(target: str | Path) -> Path:
+    """The staging directory of `target` that several processes writing it together (the ranks of a checkpoint)
+    find without being told: `.<name>.partial`."""
+    return Path(target).with_name(f".{Path(target).name}.partial")
+
+
 @contextmanager
-def atomic_dir(target: str | Path, mark_stable: bool = True) -> Iterator[Path]:
+def atomic_dir(target: str | Path, mark_stable: bool = True, shared: bool = False) -> Iterator[Path]:
     """Yields an empty staging directory beside `target`; if the block ends without error it is marked STABLE (when
-    `mark_stable`) and renamed over `target` (an older `target` is removed first)."""
+    `mark_stable`) and renamed over `target` (an older `target` is removed first). `shared`: the staging directory
+    is `shared_staging_path(target)`, for other processes to write into while the block runs."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    if shared:
+        staging = shared_staging_path(target)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    else:
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield staging
         if mark_stable:
@@ -56,8 +76,9 @@ def latest_stable(folder: str | Path) -> int | None:
     return max(steps) if steps else None
 
 
-# what atomic_file (".<name>-XXXXXXXX.tmp") and atomic_dir (".<name>-XXXXXXXX") leave behind when killed
-_TEMPORARY = re.compile(r"^\..+-[a-z0-9_]{8}(\.tmp)?$")
+# what atomic_file (".<name>-XXXXXXXX.tmp") and atomic_dir (".<name>-XXXXXXXX", shared: ".<name>.partial") leave
+# behind when killed
+_TEMPORARY = re.compile(r"^\..+(-[a-z0-9_]{8}(\.tmp)?|\.partial)$")
 
 
 def stale_temporaries(root: str | Path) -> list[Path]:

@@ -11,6 +11,10 @@
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
   ledger.json                    the MLflow run that records this directory
+  ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
+  reward.png                     the reward curve (and online evals), drawn at the end of the run
+  driver.lock                    held by the one driver (primerl.train) of this directory
+  eval.json                      primerl.eval's summary (in its own output directory)
 """
 
 import hashlib
@@ -75,6 +79,22 @@ def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
 
 def ledger_record_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger.json"
+
+
+def ledger_offsets_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ledger_offsets.json"
+
+
+def reward_plot_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "reward.png"
+
+
+def driver_lock_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "driver.lock"
+
+
+def eval_summary_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "eval.json"
 
 
 def vllm_scratch_prefix(run_dir: str | Path) -> str:
