@@ -26,8 +26,8 @@ from primerl.config.cli import check
 from primerl.envs.types import Rollout
 from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer, render_specs
-from primerl.model.resolve import base_model_path
-from primerl.model.start import initial_model_path
+from primerl.model.resolve import prepare_base_model
+from primerl.model.start import prepare_start_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.run_dir import weights_path
@@ -59,7 +59,7 @@ async def overhead(cfg, rounds: int) -> None:
     env = load_env(cfg.env)
     orch = cfg.orchestrator
     runner = env_runner(
-        env, initial_model_path(cfg), cfg.inference, orch.temperature, orch.max_tokens, orch.sampling_args
+        env, prepare_start_model(cfg), cfg.inference, orch.temperature, orch.max_tokens, orch.sampling_args
     )
     tasks = iter(env.taskset)
     n_tasks, group = cfg.orchestrator.batch_size // cfg.orchestrator.group_size, cfg.orchestrator.group_size
@@ -127,7 +127,7 @@ def weight_update(sizes: list[int], root: Path) -> None:
                 *arch_overrides(hidden),
             ]
         )
-        model_dir = base_model_path(cfg)
+        model_dir = prepare_base_model(cfg)
         from safetensors.torch import load_file
 
         state = load_file(Path(model_dir) / "model.safetensors")
@@ -162,7 +162,7 @@ def main() -> None:
             if args.hidden:  # a wider random model: slower generation per rollout, the same orchestrator work
                 overrides += ["sft.enabled=false", f"cache_dir={root / 'cache'}", *arch_overrides(args.hidden)]
             cfg = check([*overrides, f"orchestrator.max_tokens={args.max_tokens}"])
-            model = initial_model_path(cfg)
+            model = prepare_start_model(cfg)
             if not Path(model).exists():
                 raise SystemExit(f"no SFT checkpoint at {model}: run `make sft` (or `make train`) first")
             (spec,) = render_specs(cfg, model, "cpu")

@@ -36,7 +36,7 @@ import httpx
 from primerl.config.cli import check
 from primerl.metrics import ORCHESTRATOR, TRAINER, read_metrics
 from primerl.metrics import OrchestratorMetric as M
-from primerl.model.start import initial_model_path
+from primerl.model.start import prepare_start_model
 from primerl.utils.process import free_port, stop_process_groups
 
 ASYNC_LEVEL = 1
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep the two run directories under this directory")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
     args = parser.parse_args()
-    model = initial_model_path(check(["+experiment=reverse_text"])) if args.sft else None
+    model = prepare_start_model(check(["+experiment=reverse_text"])) if args.sft else None
     if model and not Path(model).exists():
         raise SystemExit(f"no SFT checkpoint at {model}: run `make sft` (or `make train`) first")
     variants = {

@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.inference import arch_overrides
 from primerl.config.cli import check
 from primerl.eval.__main__ import evaluate
-from primerl.model.start import initial_model_path
+from primerl.model.start import prepare_start_model
 from primerl.transport.run_dir import weights_path
 from primerl.utils.process import free_port
 
@@ -73,7 +73,7 @@ def main() -> None:
     overrides = [f"orchestrator.max_tokens={args.max_tokens}"]
     if args.hidden:
         overrides += ["sft.enabled=false", *arch_overrides(args.hidden)]
-    start = Path(initial_model_path(check(["+experiment=reverse_text", "output_dir=/tmp", *overrides])))
+    start = Path(prepare_start_model(check(["+experiment=reverse_text", "output_dir=/tmp", *overrides])))
     if not start.exists():
         sys.exit(f"no SFT checkpoint at {start}: run `make sft` first")
     python = trl_python()

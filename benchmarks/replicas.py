@@ -25,7 +25,7 @@ from primerl.config.cli import check
 from primerl.envs.types import Rollout
 from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer, render_specs
-from primerl.model.start import initial_model_path
+from primerl.model.start import prepare_start_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.trainer.weights import save_hf_checkpoint
@@ -35,7 +35,7 @@ from primerl.utils.process import free_port
 
 async def samples_per_s(cfg, env, clients, tasks, n_tasks: int, group: int) -> tuple[float, int]:
     orch = cfg.orchestrator
-    model = initial_model_path(cfg)
+    model = prepare_start_model(cfg)
     replicas = Replicas(clients)
     runners = [
         env_runner(env, model, cfg.inference, orch.temperature, orch.max_tokens, None, c.base_url) for c in clients
@@ -104,7 +104,7 @@ def main() -> None:
             f"orchestrator.max_tokens={args.max_tokens}",
         ]
     )
-    model = initial_model_path(cfg)
+    model = prepare_start_model(cfg)
     from safetensors.torch import load_file
 
     published = save_hf_checkpoint(load_file(Path(model) / "model.safetensors"), model, weights_path(root, 1))

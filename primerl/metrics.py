@@ -37,11 +37,11 @@ class OrchestratorMetric:
     ROLLOUT_MEDIAN_S = "time/rollout_median_s"  # wall time of the rollouts finished since the previous cut
     ROLLOUT_P90_S = "time/rollout_p90_s"
     ROLLOUT_MAX_S = "time/rollout_max_s"
-    BATCH_S = "time/generate_s"  # wall time since the previous cut
+    GENERATE_S = "time/generate_s"  # wall time since the previous cut
     WAIT_POLICY_S = "time/wait_policy_s"  # of which the cut waited for a newer policy (async_level)
     WEIGHT_LOAD_S = "time/weight_load_s"  # of which the inference server was paused for weight loads
     WRITE_BATCH_S = "time/write_batch_s"  # packing and writing the trainer's batch file (row only, not in the file)
-    TOKENS_PER_S = "throughput/completion_tokens_per_s"  # the batch's sampled tokens / BATCH_S
+    TOKENS_PER_S = "throughput/completion_tokens_per_s"  # the batch's sampled tokens / GENERATE_S
     SEQ_LEN_MEAN = "seq_len/mean"
 
 

@@ -14,8 +14,8 @@ from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
+from primerl.launch.children import ChildFailed
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
-from primerl.launch.process import ChildFailed
 from primerl.launch.supervise import run_topology
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger

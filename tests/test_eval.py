@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from primerl.envs.evaluation import TaskResult, pass_at_k, summarize
+from primerl.envs.scoring import TaskResult, pass_at_k, summarize
 from tests.conftest import ROOT, run_module
 
 
@@ -46,9 +46,9 @@ def test_eval_of_an_env_by_id_on_its_held_out_split(cache_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from primerl.config.cli import check
-    from primerl.model.resolve import base_model_path
+    from primerl.model.resolve import prepare_base_model
 
-    model = base_model_path(check(["+experiment=reverse_text"]))
+    model = prepare_base_model(check(["+experiment=reverse_text"]))
     common = [
         "+experiment=reverse_text",
         f"eval.model={model}",

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
 from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer, check_supported, render_specs
-from primerl.model.resolve import base_model_path
+from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.identity import SERVER_ID_HEADER, server_identity
@@ -41,7 +41,7 @@ def server(cache_dir, tmp_path_factory):
             f"output_dir={run}",
         ]
     )
-    model = base_model_path(cfg)
+    model = prepare_base_model(cfg)
     (spec,) = render_specs(cfg, model, "cpu")
     assert API_KEY not in " ".join(spec.args)  # the key goes in the environment, not on a command line others can read
     with VllmServer(spec, run / "vllm.log").start() as srv:
@@ -127,7 +127,7 @@ def test_generate_returns_token_ids_and_logprobs(server):
     ids, logprobs, choice = _generate(server, prompt)
     assert len(ids) == len(logprobs) == 8
     assert all(lp <= 0 and math.isfinite(lp) for lp in logprobs)
-    # the compat field the verifiers train client checks (primerl.inference.compat)
+    # the compat field the verifiers train client checks (primerl.inference.logprob_tokens)
     assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{i}" for i in ids]
 
 

@@ -129,7 +129,7 @@ def test_rollout_batch_round_trip(tmp_path):
 def test_memoized_default_factory_check_keeps_pydantic_semantics():
     from pydantic import BaseModel, Field
 
-    from primerl.envs.pydantic_speed import memoize_default_factory_check
+    from primerl.envs.pydantic_memo import memoize_default_factory_check
 
     class Node(BaseModel):
         ids: list[int] = Field(default_factory=list)

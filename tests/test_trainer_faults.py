@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from primerl.config.cli import check
 from primerl.metrics import read_metrics
-from primerl.model.resolve import base_model_path
+from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.batch import build_batch
 from primerl.trainer.checkpoint import latest_checkpoint
 from primerl.transport.batches import write_rollout_batch
@@ -37,7 +37,7 @@ def _args(cache_dir, run, steps: int) -> list[str]:
 
 def _write_batches(cache_dir, run, advantages: list[float | None]) -> None:
     """Batch n from the model's own samples; advantage None: mixed signs, NaN: a batch whose loss is NaN."""
-    model = base_model_path(check(_args(cache_dir, run, len(advantages))))
+    model = prepare_base_model(check(_args(cache_dir, run, len(advantages))))
     for step, advantage in enumerate(advantages):
         samples = model_samples(model, n=8, advantage=advantage)
         write_rollout_batch(

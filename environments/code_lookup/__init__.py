@@ -13,7 +13,7 @@ import verifiers.v1 as vf
 from primerl_chat import ChatHarness
 
 from code_lookup.codebook import CodeBook, CodeBookConfig, code_of
-from primerl.envs.traces import final_reply
+from primerl.envs.trace_text import final_reply
 
 SYSTEM_PROMPT = "Answer with the code only."
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

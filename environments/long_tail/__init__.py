@@ -13,7 +13,7 @@ import verifiers.v1 as vf
 from primerl_chat import ChatHarness
 from reverse_text.texts import MAX_LEN, MIN_LEN, SYSTEM_PROMPT, lcs_ratio, make_texts
 
-from primerl.envs.traces import final_reply
+from primerl.envs.trace_text import final_reply
 
 
 class ChainData(vf.TaskData):

@@ -11,7 +11,7 @@ from typing import Literal
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
 
-from primerl.envs.traces import final_reply
+from primerl.envs.trace_text import final_reply
 from reverse_text.texts import (
     MAX_LEN,
     MIN_LEN,

@@ -25,7 +25,7 @@ class Rollout:
     completion: str  # the last assistant message
     prompt: str = ""  # the messages before the first assistant message
     metrics: dict[str, float] = field(default_factory=dict)  # the env's @vf.metric values
-    transcript: list[dict] = field(default_factory=list)  # primerl.envs.traces.transcript: messages with timings
+    transcript: list[dict] = field(default_factory=list)  # primerl.envs.trace_text.transcript: messages with timings
 
 
 @dataclass

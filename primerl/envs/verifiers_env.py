@@ -13,9 +13,9 @@ from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
 from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
-from primerl.envs.pydantic_speed import memoize_default_factory_check
+from primerl.envs.pydantic_memo import memoize_default_factory_check
 from primerl.envs.tool_renderer import renderer_config
-from primerl.envs.traces import final_reply, prompt_text, transcript
+from primerl.envs.trace_text import final_reply, prompt_text, transcript
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.utils.errors import ConfigError
 

@@ -52,7 +52,7 @@ def serve_worker(config_data: dict, address: str, death_pipe: Any) -> None:
     """A worker process's main: primerl's logging and client patches, then one verifiers `EnvServer`. Its own process
     group, so that killing a lost worker takes any tool servers it started with it."""
     from primerl.envs.http_transport import use_aiohttp_for_openai_clients
-    from primerl.envs.pydantic_speed import memoize_default_factory_check
+    from primerl.envs.pydantic_memo import memoize_default_factory_check
 
     os.setpgrp()
     configure_logging()

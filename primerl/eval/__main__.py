@@ -31,7 +31,7 @@ from tqdm import tqdm
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.envs.config import EnvConfig
-from primerl.envs.evaluation import TaskResult, run_tasks, summarize
+from primerl.envs.scoring import TaskResult, run_tasks, summarize
 from primerl.transport.atomic import is_stable, write_json
 from primerl.transport.run_dir import eval_summary_path, log_path, vllm_scratch_prefix, weights_path
 from primerl.transport.weights import latest_stable_version

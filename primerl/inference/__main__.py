@@ -24,7 +24,7 @@ from primerl.inference.server import (
     render_specs,
     resolve_device,
 )
-from primerl.model.start import initial_model_path
+from primerl.model.start import prepare_start_model
 from primerl.transport.run_dir import log_path, vllm_scratch_prefix
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -38,7 +38,7 @@ def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
     device = resolve_device(cfg.inference)
     check_supported(cfg.inference, device)
-    model_path = initial_model_path(cfg)
+    model_path = prepare_start_model(cfg)
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
         raise ConfigError(
             "sft.enabled",

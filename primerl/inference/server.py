@@ -103,7 +103,7 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         "processed_logprobs",  # after temperature: what the trainer's loss compares against
         "--return-tokens-as-token-ids",  # the verifiers train client reads sampled ids from logprobs
         "--middleware",
-        "primerl.inference.compat.GenerateLogprobTokens",
+        "primerl.inference.logprob_tokens.GenerateLogprobTokens",
         "--middleware",
         "primerl.inference.cache_salt.WeightEpochCacheSalt",
         "--middleware",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
-from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
+from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import free_port, stop_process_groups

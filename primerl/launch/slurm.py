@@ -27,8 +27,8 @@ from pathlib import Path
 import submitit
 
 from primerl.config.schema import RunConfig
+from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
 from primerl.launch.config import job_role
-from primerl.launch.process import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.address import read_address, write_address
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.log import get_logger

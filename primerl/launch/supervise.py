@@ -106,7 +106,7 @@ def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
             f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get(OrchestratorMetric.REWARD_MEAN), '.3f')}"
             f"  loss {_shown(row.get(TrainerMetric.LOSS), '+.4f')}"
             f"  mismatch_kl {_shown(row.get(TrainerMetric.MISMATCH_KL), '.1e')}"
-            f"  gen {_shown(o.get(OrchestratorMetric.BATCH_S), '.1f')}s  train {_shown(row.get(TrainerMetric.STEP_S), '.1f')}s"
+            f"  gen {_shown(o.get(OrchestratorMetric.GENERATE_S), '.1f')}s  train {_shown(row.get(TrainerMetric.STEP_S), '.1f')}s"
         )
     return len(trainer_rows)
 

@@ -238,7 +238,7 @@ class Ledger:
 
 class MetricsFollower:
     """Forwards new lines of each process's metrics JSONL to the ledger (prefix `<process>/`), and the sampled
-    rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`) as MLflow traces (primerl.ledger.traces).
+    rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`) as MLflow traces (primerl.ledger.mlflow_traces).
 
     The byte offsets already forwarded are kept in `<run>/ledger_offsets.json` (replaced atomically, after every
     trace): a resumed run forwards each line exactly once.
@@ -284,7 +284,7 @@ class MetricsFollower:
         self._save_offsets()
         for row, offset in self._new_rows(self.SAMPLES, samples_path(self.ledger.run_dir)):
             if row.get("step", 0) % self.sample_every == 0:
-                from primerl.ledger.traces import log_rollout_trace
+                from primerl.ledger.mlflow_traces import log_rollout_trace
 
                 log_rollout_trace(self.ledger.client, self.ledger.run_id, self.ledger.experiment_id, row)
             self.offsets[self.SAMPLES] = offset

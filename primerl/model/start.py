@@ -13,7 +13,7 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
-from primerl.model.resolve import base_model_path
+from primerl.model.resolve import base_model_ref, prepare_base_model
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:
@@ -37,7 +37,7 @@ def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     With `sft.data`, its sha256 is part of the key: an edited dataset trains a new checkpoint."""
     settings = asdict(cfg.sft) | {"save_every": None}
     data = settings.pop("data")
-    key_parts = [base_model_path(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
+    key_parts = [base_model_ref(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
     if data:
         key_parts.append(data_digest(data))
     elif demonstrations_version(cfg.env.id) > 1:  # version 1 is left out: keys made before versions stay valid
@@ -59,6 +59,7 @@ def data_digest(data: str) -> str:
     return digest.hexdigest()
 
 
-def initial_model_path(cfg: RunConfig) -> str:
-    """The weights RL starts from: the SFT checkpoint when SFT applies, else the base model."""
-    return str(sft_checkpoint_dir(cfg)) if sft_applies(cfg) else base_model_path(cfg)
+def prepare_start_model(cfg: RunConfig) -> str:
+    """The weights RL starts from: the SFT checkpoint when SFT applies (trained before, by primerl.sft), else the base
+    model (the tiny model built here on first use)."""
+    return str(sft_checkpoint_dir(cfg)) if sft_applies(cfg) else prepare_base_model(cfg)

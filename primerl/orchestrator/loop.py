@@ -207,5 +207,5 @@ class Orchestrator:
             stats[M.OFF_POLICY_MAX],
             stats[M.ROLLOUTS_FAILED],
             cut.dropped,
-            stats[M.BATCH_S],
+            stats[M.GENERATE_S],
         )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from primerl.envs.evaluation import run_tasks, summarize
+from primerl.envs.scoring import run_tasks, summarize
 from primerl.eval.config import EvalConfig
 from primerl.metrics import EVAL, append_metrics, read_metrics
 from primerl.orchestrator.types import Policy

@@ -169,12 +169,12 @@ def batch_writer(cfg: RunConfig, model_path: str) -> BatchWriter:
 
 async def run_orchestrator(cfg: RunConfig) -> None:
     """The real thing: verifiers envs, vLLM replicas, the run directory."""
-    from primerl.model.start import initial_model_path
+    from primerl.model.start import prepare_start_model
     from primerl.orchestrator.watcher import Watcher
     from primerl.transport.address import advertised_urls
 
     orch, inf, run_dir = cfg.orchestrator, cfg.inference, Path(cfg.output_dir)
-    model_path = initial_model_path(cfg)
+    model_path = prepare_start_model(cfg)
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)

@@ -86,7 +86,7 @@ class CutMeter:
             M.ROLLOUTS_CANCELLED: float(cancelled - cancelled0),
             M.LOOP_LAG_MAX: lag_max,
             M.LOOP_LAG_MEAN: lag_mean,
-            M.BATCH_S: batch_s,
+            M.GENERATE_S: batch_s,
             M.WAIT_POLICY_S: waited,
             M.WEIGHT_LOAD_S: loaded,
             M.TOKENS_PER_S: sum(sum(s.sampled_mask) for s in cut.samples) / max(batch_s, 1e-9),

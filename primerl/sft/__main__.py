@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
-from primerl.model.resolve import base_model_path
+from primerl.model.resolve import prepare_base_model
 from primerl.model.start import sft_checkpoint_dir
 from primerl.sft.config import SftConfig
 from primerl.sft.data import IGNORE, conversation_example, pack
@@ -59,7 +59,7 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
             "sft.batch_size", f"{cfg.sft.batch_size} is not divisible by the world size {info.world_size}"
         )
     resolve_dp_shard(cfg, info.world_size)  # the run's layout must fit; SFT itself is plain FSDP2 over every rank
-    base = main_rank_first(info, lambda: base_model_path(cfg))
+    base = main_rank_first(info, lambda: prepare_base_model(cfg))
     s = cfg.sft
     optim = OptimConfig(lr=s.lr, weight_decay=s.weight_decay, betas=list(s.betas), max_grad_norm=s.max_grad_norm)
     torch.manual_seed(cfg.seed)

@@ -23,7 +23,7 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
-from primerl.model.start import initial_model_path
+from primerl.model.start import prepare_start_model
 from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_checkpointer
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
@@ -135,7 +135,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     """Collective: the RL step loop (module docstring)."""
     run_dir, tcfg, cp = Path(cfg.output_dir), cfg.trainer, cfg.parallelism.cp
     dp = resolve_dp_shard(cfg, info.world_size)
-    base = main_rank_first(info, lambda: initial_model_path(cfg))
+    base = main_rank_first(info, lambda: prepare_start_model(cfg))
     torch.manual_seed(cfg.seed)
     trainer = Trainer.build(base, info, tcfg.optim, cfg.model.dtype, cp, cfg.parallelism.ep, tcfg.max_nonfinite_steps)
     start, logged = resume(trainer, run_dir)

@@ -17,8 +17,10 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
             return first
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bindable(host: str, port: int, reuse_address: bool = False) -> bool:
     with socket.socket() as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -29,13 +31,7 @@ def _bindable(host: str, port: int) -> bool:
 def port_taken(host: str, port: int) -> bool:
     """Whether something listens on `host:port` now. With SO_REUSEADDR, as servers bind: connections of a stopped
     server still in TIME_WAIT do not count, since they do not keep a new server from binding."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-        return False
+    return not _bindable(host, port, reuse_address=True)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -21,7 +21,7 @@ from primerl_chat import ChatHarness
 from reverse_text import ReverseTextConfig, ReverseTextData, ReverseTextTaskset
 from reverse_text.texts import lcs_ratio
 
-from primerl.envs.traces import final_reply
+from primerl.envs.trace_text import final_reply
 
 
 def fault_of(text: str, process_faults: bool = False) -> str | None:

@@ -4,7 +4,7 @@ One trace per rollout row of `rollouts/samples.jsonl` (the sink's examples): the
 prompt, final answer, reward, per-function rewards, env metrics and the policy versions that generated it; a child
 span per model call (LLM: the messages new since the previous reply in, the reply and its tool calls out, timed
 from request to response) and per tool result (TOOL: from the reply that asked for it to its arrival). Times are
-the ones verifiers recorded (primerl.envs.traces.transcript).
+the ones verifiers recorded (primerl.envs.trace_text.transcript).
 
 MLflow's trace exporter writes to the process-wide tracking URI, not the client's: `log_rollout_trace` points it at
 the ledger's store, and logging is synchronous, so a trace is stored when the call returns (exactly-once bookkeeping
