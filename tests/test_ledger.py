@@ -11,7 +11,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from primerl.config.cli import check, compose
-from primerl.ledger.mlflow_ledger import Ledger, MetricsFollower, flatten
+from primerl.ledger.follower import MetricsFollower
+from primerl.ledger.mlflow_ledger import Ledger, flatten
 from primerl.metrics import append_metrics
 from primerl.utils.process import free_port
 from tests.conftest import run_module, sweep_children

@@ -21,61 +21,34 @@ Invariants:
 """
 
 import asyncio
-import contextlib
 import itertools
 import multiprocessing as mp
-import os
 import shutil
-import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import verifiers.v1 as vf
-from verifiers.v1.serve import EnvClient, serve_env
 
 from primerl.envs.types import Rollout, RolloutFailure
 from primerl.envs.verifiers_env import episode_rollouts
+from primerl.envs.worker_process import (
+    Worker,
+    exit_reason,
+    first_health_answer,
+    health_check,
+    start_worker,
+    stop_worker,
+)
 from primerl.utils.errors import RunError
-from primerl.utils.liveness import Liveness, Pulse
-from primerl.utils.log import configure_logging, get_logger
+from primerl.utils.liveness import Liveness
+from primerl.utils.log import get_logger
+from primerl.utils.pool import HEALTH_EVERY_S, LOST, RestartBudget, least_outstanding, race
 from primerl.utils.wait import WaitTimeout, wait_until_async
 
 log = get_logger(__name__)
 
 MAX_START_FAILURES = 3
-HEALTH_EVERY_S = 1.0
-
-
-def serve_worker(config_data: dict, address: str, death_pipe: Any) -> None:
-    """A worker process's main: primerl's logging and client patches, then one verifiers `EnvServer`. Its own process
-    group, so that killing a lost worker takes any tool servers it started with it."""
-    from primerl.envs.http_transport import use_aiohttp_for_openai_clients
-    from primerl.envs.pydantic_memo import memoize_default_factory_check
-
-    os.setpgrp()
-    configure_logging()
-    memoize_default_factory_check()
-    use_aiohttp_for_openai_clients()
-    serve_env(max_workers=1, address=address, death_pipe=death_pipe, config_data=config_data)
-
-
-@dataclass
-class Worker:
-    index: int
-    process: Any  # multiprocessing.Process
-    pipe: Any  # our end of its death pipe
-    client: EnvClient
-    gone: asyncio.Future  # its result is why the worker was lost
-    live: bool = False
-    outstanding: int = 0
-    pulse: Pulse = field(default_factory=Pulse)  # its signs of life; `pulse.finished` counts the rollouts it answered
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def served(self) -> int:
-        return self.pulse.finished
 
 
 class EnvWorkers:
@@ -137,12 +110,13 @@ class EnvWorkers:
             await asyncio.gather(self.supervisor, return_exceptions=True)
         for worker in self.workers:
             if worker is not None:
-                await self._stop(worker, "the orchestrator is closing")
+                await stop_worker(worker, "the orchestrator is closing")
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def pick(self) -> Worker | None:
-        live = [w for w in self.workers if w is not None and w.live]
-        return min(live, key=lambda w: (w.outstanding, w.index)) if live else None
+        workers = [w for w in self.workers if w is not None]
+        index = least_outstanding([w.outstanding for w in workers], [w.live for w in workers])
+        return None if index is None else workers[index]
 
     async def run(self, ctx: vf.ModelContext, task: Any) -> list[Rollout | RolloutFailure]:
         """One rollout of `task` on a live worker, sampling with `ctx`. Never raises for the env's or a worker's
@@ -156,83 +130,69 @@ class EnvWorkers:
             ]
         while (worker := self.pick()) is None:
             if self._error:
-                return [RolloutFailure(f"env workers of {self.name}: {self._error}")]
+                return [RolloutFailure(self._error)]
             self._live.clear()
             await self._live.wait()
         worker.outstanding += 1
-        request = asyncio.ensure_future(
-            worker.client.run(ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json"))
-        )
         try:
-            await asyncio.wait([request, worker.gone], return_when=asyncio.FIRST_COMPLETED)
-            if not request.done():
-                request.cancel()
-                await asyncio.gather(request, return_exceptions=True)
-                self.lost += 1
-                return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}")]
-            self.liveness.finished(worker.pulse)  # an answer, whatever it says, is a sign of life
-            try:
-                episode = request.result()
-            except Exception as err:  # the server's answer to a request it could not run
-                return [RolloutFailure(f"env worker {worker.index}: {str(err).splitlines()[0][:300]}")]
-            return episode_rollouts(episode)
+            episode = await race(self._request(worker, ctx, task), worker.gone)
         finally:
-            if not request.done():  # cancelled from outside (rollout timeout, stale group)
-                request.cancel()
             worker.outstanding -= 1
+        if episode is LOST:
+            self.lost += 1
+            return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}")]
+        if isinstance(episode, RolloutFailure):
+            return [episode]
+        return episode_rollouts(episode)
+
+    async def _request(self, worker: Worker, ctx: vf.ModelContext, task: Any) -> Any:
+        """The worker's episode for `task`, or a RolloutFailure for a request it answered but could not run."""
+        try:
+            episode = await worker.client.run(ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the server's answer to a request it could not run
+            self.liveness.finished(worker.pulse)  # an answer, whatever it says, is a sign of life
+            return RolloutFailure(f"env worker {worker.index}: {str(err).splitlines()[0][:300]}")
+        self.liveness.finished(worker.pulse)
+        return episode
 
     async def _supervise(self, keepers: list) -> None:
         await asyncio.gather(*keepers)
 
     async def _keep(self, index: int) -> None:
         """Keep worker `index` running: start it, watch it, and start it again whenever it is lost."""
-        failed_starts = 0
+        budget = RestartBudget(f"env worker {index} of {self.name}", MAX_START_FAILURES)
         for incarnation in itertools.count():
-            worker = self.workers[index] = self._start(index, incarnation)
+            worker = self.workers[index] = start_worker(self._mp, self._dir, self.config_data, index, incarnation)
             reason = await self._watch(worker)
             was_live = worker.live
-            await self._stop(worker, reason)
+            await stop_worker(worker, reason)
             if was_live:
-                failed_starts = 0
+                budget.served()
                 log.warning(
-                    "env worker %d of %s lost after %d rollouts (%s); starting it again",
-                    index,
-                    self.name,
-                    worker.served,
-                    reason,
+                    f"env worker {index} of {self.name} lost after {worker.served} rollouts ({reason}); "
+                    "starting it again"
                 )
             else:
-                failed_starts += 1
                 log.warning(
-                    "env worker %d of %s failed to start (%s), %d/%d",
-                    index,
-                    self.name,
-                    reason,
-                    failed_starts,
-                    MAX_START_FAILURES,
+                    f"env worker {index} of {self.name} failed to start ({reason}), "
+                    f"{budget.failed_in_a_row + 1}/{MAX_START_FAILURES}"
                 )
-                if failed_starts >= MAX_START_FAILURES:
-                    self._error = f"worker {index} failed to start {failed_starts} times in a row: {reason}"
+                try:
+                    budget.failed(f"{reason} (its log lines are above)")
+                except RunError as err:
+                    self._error = str(err)
                     self._live.set()  # waiting rollouts see the error
-                    raise RunError(f"env workers of {self.name}: {self._error} (its log lines are above)")
+                    raise
             self.restarts += 1
-
-    def _start(self, index: int, incarnation: int) -> Worker:
-        address = f"ipc://{self._dir}/{index}-{incarnation}"
-        ours, theirs = self._mp.Pipe()
-        process = self._mp.Process(
-            target=serve_worker, args=(self.config_data, address, theirs), name=f"env-worker-{index}", daemon=False
-        )
-        process.start()
-        theirs.close()  # the worker holds the other end; our close (or death) is its EOF
-        return Worker(index, process, ours, EnvClient(address), asyncio.get_running_loop().create_future())
 
     async def _watch(self, worker: Worker) -> str:
         """Until `worker` is lost; returns why. Marks it live at its first health answer."""
         loop = asyncio.get_running_loop()
         died = loop.create_future()
         loop.add_reader(worker.process.sentinel, lambda: died.done() or died.set_result(None))
-        probe = asyncio.ensure_future(self._healthy(worker, self.startup_timeout_s))
+        probe = asyncio.ensure_future(first_health_answer(worker, self.startup_timeout_s))
         try:
             await asyncio.wait([probe, died], return_when=asyncio.FIRST_COMPLETED)
             if not died.done() and not probe.result():
@@ -250,7 +210,7 @@ class EnvWorkers:
             last = time.monotonic()
             while not died.done():
                 if probe.done():  # one health check in flight at a time; its answer is a sign of life
-                    probe = asyncio.ensure_future(self._answers(worker))
+                    probe = asyncio.ensure_future(health_check(worker, self.liveness.limit(worker.pulse)))
                 await asyncio.wait([died], timeout=HEALTH_EVERY_S)
                 now = time.monotonic()
                 elapsed, last = now - last, now
@@ -260,44 +220,10 @@ class EnvWorkers:
                     return f"no health answer or finished rollout in {limit:.0f}s"
             # the sentinel fires as the process's pipes close, which can be before it can be reaped
             await asyncio.to_thread(worker.process.join, 5)
-            return _exit_reason(worker.process.exitcode)
+            return exit_reason(worker.process.exitcode)
         finally:
             probe.cancel()
             loop.remove_reader(worker.process.sentinel)
-
-    async def _answers(self, worker: Worker) -> None:
-        """One health check of a live worker; an answer resets its silence."""
-        with contextlib.suppress(Exception):  # no answer in time, or a malformed one, counts as none
-            if await worker.client.health(timeout=self.liveness.limit(worker.pulse)):
-                worker.pulse.answered()
-
-    async def _healthy(self, worker: Worker, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while True:  # a starting worker answers nothing until it has bound its address: ask again
-            try:
-                if await worker.client.health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
-                    return True
-            except Exception:  # a malformed or failed answer counts as none
-                pass
-            if time.monotonic() >= deadline:
-                return False
-
-    async def _stop(self, worker: Worker, reason: str) -> None:
-        """Kill `worker` (its process group), fail its rollouts with `reason`, free its socket."""
-        worker.live = False
-        if not worker.gone.done():
-            worker.gone.set_result(reason)
-        if worker.process.is_alive():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker.process.pid, signal.SIGKILL)
-            worker.process.kill()
-        await asyncio.to_thread(worker.process.join, 10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.process.pid, signal.SIGKILL)  # what it started and left behind
-        worker.pipe.close()
-        await asyncio.sleep(0)  # its rollouts see `gone` and cancel their requests before the socket goes
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(worker.client.close(), 5)
 
 
 class WorkerRunner:
@@ -308,9 +234,3 @@ class WorkerRunner:
 
     async def run(self, task: Any) -> list[Rollout | RolloutFailure]:
         return await self.workers.run(self.ctx, task)
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"

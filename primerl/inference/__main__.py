@@ -3,9 +3,10 @@
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
 else the base model. Prints the base URL once ready. `inference.replicas` servers start side by side.
 
-A server that exits while serving (a crash, an OOM kill) is started again, at most MAX_RESTARTS times each; the
-others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
-(primerl.orchestrator.watcher). One more exit ends this process with code 1.
+A server that exits while serving (a crash, an OOM kill) is started again (the pool policy of primerl.utils.pool);
+the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
+(primerl.orchestrator.watcher). MAX_RESTARTS starts in a row that do not bring it back to serving end this process
+with code 1.
 """
 
 import os
@@ -26,11 +27,40 @@ from primerl.inference.server import (
 )
 from primerl.model.start import prepare_start_model
 from primerl.transport.run_dir import log_path, vllm_scratch_prefix
-from primerl.utils.errors import ConfigError
+from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
+from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
 
 log = get_logger("inference")
 MAX_RESTARTS = 3
+
+
+def keep_serving(servers: list[VllmServer], startup_timeout_s: float) -> None:
+    """Restart each server that exits, until this process is stopped; raises RunError when one cannot come back."""
+    budgets = [RestartBudget(f"the vLLM server at {server.base_url}", MAX_RESTARTS) for server in servers]
+    while True:
+        for server, budget in zip(servers, budgets, strict=True):
+            if server.process.poll() is not None:
+                log.warning(
+                    f"the vLLM server at {server.base_url} exited with code {server.process.returncode}; restarting "
+                    f"it ({budget.failed_in_a_row + 1}/{MAX_RESTARTS}); last lines of its log:\n{server.log_tail(10)}"
+                )
+                restart(server, budget, startup_timeout_s)
+        time.sleep(HEALTH_EVERY_S)
+
+
+def restart(server: VllmServer, budget: RestartBudget, startup_timeout_s: float) -> None:
+    while True:
+        server.stop()  # what is left of its process group and its temp dir
+        try:
+            server.start(startup_timeout_s)
+        except InferenceStartError as err:
+            budget.failed(str(err).splitlines()[0])
+            log.warning(f"{err}; starting it again ({budget.failed_in_a_row + 1}/{MAX_RESTARTS})")
+            continue
+        budget.served()
+        log.info(f"serving at {server.base_url} again")
+        return
 
 
 @hydra_app()
@@ -57,25 +87,8 @@ def main(dict_cfg: DictConfig) -> None:
         for server in servers:
             server.wait_ready(cfg.inference.startup_timeout_s)
             log.info(f"serving {model_path} at {server.base_url}")
-        restarts = [0] * len(servers)
-        while True:
-            for index, server in enumerate(servers):
-                if server.process.poll() is None:
-                    continue
-                if restarts[index] == MAX_RESTARTS:
-                    log.error(f"the vLLM server at {server.base_url} exited again after {MAX_RESTARTS} restarts")
-                    sys.exit(1)
-                restarts[index] += 1
-                log.warning(
-                    f"the vLLM server at {server.base_url} exited with code {server.process.returncode}; "
-                    f"restarting it ({restarts[index]}/{MAX_RESTARTS}); last lines of its log:\n"
-                    f"{server.log_tail(10)}"
-                )
-                server.stop()  # what is left of its process group and its temp dir
-                server.start(cfg.inference.startup_timeout_s)
-                log.info(f"serving {model_path} at {server.base_url} again")
-            time.sleep(1.0)
-    except InferenceStartError as err:
+        keep_serving(servers, cfg.inference.startup_timeout_s)
+    except (InferenceStartError, RunError) as err:
         log.error(str(err))
         sys.exit(1)
     finally:

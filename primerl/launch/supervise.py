@@ -64,7 +64,7 @@ def sft_needed(cfg: RunConfig) -> bool:
 
 
 def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledger: "Ledger | None" = None) -> None:
-    from primerl.ledger.mlflow_ledger import MetricsFollower
+    from primerl.ledger.follower import MetricsFollower
     from primerl.ledger.record import record_artifacts, record_sft
 
     run_dir = Path(cfg.output_dir).resolve()

@@ -12,12 +12,11 @@
 - Sweeps: a parent run per Hydra sweep directory, created once under a file lock; each job is its child.
 """
 
-import fcntl
 import getpass
 import json
 import math
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
@@ -25,12 +24,12 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from primerl.config.schema import RunConfig
+from primerl.ledger.sweep import sweep_parent
 from primerl.ledger.system_info import system_tags
-from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER
-from primerl.transport.atomic import atomic_file, write_json
-from primerl.transport.run_dir import ledger_offsets_path, ledger_record_path
+from primerl.transport.atomic import write_json
+from primerl.transport.run_dir import ledger_record_path
+from primerl.utils.locks import locked
 
-PARENT_FILE = "ledger_parent.json"
 MAX_PARAM_CHARS = 6000
 
 
@@ -63,17 +62,6 @@ def _experiment_id(client: MlflowClient, name: str, store_dir: Path | None) -> s
         if found is None:
             raise
         return found.experiment_id
-
-
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def description(cfg: RunConfig, kind: str) -> str:
@@ -128,7 +116,7 @@ class Ledger:
         """Start (or, when `<run_dir>/ledger.json` exists, resume) this run's MLflow run."""
         store_dir = None if cfg.ledger.tracking_uri else Path(cfg.ledger.store_dir).resolve()
         # the first user of a new embedded store creates its tables; sweep jobs start together: one at a time
-        with _locked(store_dir / "mlflow.db") if store_dir else nullcontext():
+        with locked(store_dir / "mlflow.db") if store_dir else nullcontext():
             client = MlflowClient(tracking_uri(cfg))
             experiment = _experiment_id(client, cfg.ledger.experiment_name, store_dir)
         record = ledger_record_path(run_dir)
@@ -148,7 +136,7 @@ class Ledger:
         }
         tags |= standard_tags(cfg, kind, tags["git.commit"])
         if sweep_dir is not None:
-            tags["mlflow.parentRunId"] = cls._sweep_parent(client, experiment, sweep_dir)
+            tags["mlflow.parentRunId"] = sweep_parent(client, experiment, sweep_dir)
             tags["primerl.sweep_dir"] = str(sweep_dir)
             tags["primerl.job_num"] = str(job_num)
         name = run_dir.name if sweep_dir is None else f"{sweep_dir.name}-{job_num}"
@@ -178,20 +166,6 @@ class Ledger:
             self.run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=self.client.tracking_uri
         )
         self._system_metrics.start()
-
-    @staticmethod
-    def _sweep_parent(client: MlflowClient, experiment: str, sweep_dir: Path) -> str:
-        path = sweep_dir / PARENT_FILE
-        with _locked(path):
-            if path.exists():
-                return json.loads(path.read_text())["run_id"]
-            run = client.create_run(
-                experiment,
-                run_name=f"sweep-{sweep_dir.name}",
-                tags={"primerl.kind": "sweep", "primerl.sweep_dir": str(sweep_dir)},
-            )
-            write_json(path, {"run_id": run.info.run_id, "tracking_uri": client.tracking_uri})
-            return run.info.run_id
 
     def log_metrics(
         self, step: int, values: dict[str, float | None], prefix: str = "", timestamp_ms: int | None = None
@@ -234,71 +208,3 @@ class Ledger:
         if not uri.startswith(("http://", "https://")):
             return None
         return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-
-
-class MetricsFollower:
-    """Forwards new lines of each process's metrics JSONL to the ledger (prefix `<process>/`), and the sampled
-    rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`) as MLflow traces (primerl.ledger.mlflow_traces).
-
-    The byte offsets already forwarded are kept in `<run>/ledger_offsets.json` (replaced atomically, after every
-    trace): a resumed run forwards each line exactly once.
-    """
-
-    SAMPLES = "samples"
-
-    def __init__(
-        self, ledger: Ledger, processes: tuple[str, ...] = (ORCHESTRATOR, TRAINER, EVAL), sample_every: int = 1
-    ):
-        self.ledger = ledger
-        self.sample_every = sample_every
-        self.offsets_file = ledger_offsets_path(ledger.run_dir)
-        saved = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
-        self.offsets = {p: int(saved.get(p, 0)) for p in (*processes, self.SAMPLES)}
-
-    def _save_offsets(self) -> None:
-        with atomic_file(self.offsets_file) as tmp:
-            tmp.write_text(json.dumps(self.offsets))
-
-    def _new_rows(self, name: str, path: Path):
-        """(row, offset after it) for each complete new JSON line of `path` past the saved offset."""
-        if not path.exists():
-            return
-        with open(path) as f:
-            f.seek(self.offsets[name])
-            while (line := f.readline()).endswith("\n"):
-                try:
-                    row = json.loads(line)
-                except ValueError:  # the torn last line of a process killed mid-write
-                    self.offsets[name] = f.tell()
-                    continue
-                yield row, f.tell()
-
-    def poll(self) -> None:
-        from primerl.transport.run_dir import metrics_path, samples_path
-
-        for process in self.offsets.keys() - {self.SAMPLES}:
-            for row, offset in self._new_rows(process, metrics_path(self.ledger.run_dir, process)):
-                step, stamp = row.pop("step"), row.pop("time", None)
-                self.ledger.log_metrics(step, row, f"{process}/", int(stamp * 1000) if stamp else None)
-                self.offsets[process] = offset
-        self._save_offsets()
-        for row, offset in self._new_rows(self.SAMPLES, samples_path(self.ledger.run_dir)):
-            if row.get("step", 0) % self.sample_every == 0:
-                from primerl.ledger.mlflow_traces import log_rollout_trace
-
-                log_rollout_trace(self.ledger.client, self.ledger.run_id, self.ledger.experiment_id, row)
-            self.offsets[self.SAMPLES] = offset
-            self._save_offsets()
-
-
-def finish_sweep(sweep_dir: Path) -> None:
-    """Mark a sweep's parent run FINISHED when every child finished, else FAILED (no-op without a parent)."""
-    path = sweep_dir / PARENT_FILE
-    if not path.exists():
-        return
-    parent = json.loads(path.read_text())
-    client = MlflowClient(parent["tracking_uri"])
-    run = client.get_run(parent["run_id"])
-    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
-    ok = bool(children) and all(child.info.status == "FINISHED" for child in children)
-    client.set_terminated(run.info.run_id, status="FINISHED" if ok else "FAILED")

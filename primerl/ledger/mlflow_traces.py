@@ -8,7 +8,7 @@ the ones verifiers recorded (primerl.envs.trace_text.transcript).
 
 MLflow's trace exporter writes to the process-wide tracking URI, not the client's: `log_rollout_trace` points it at
 the ledger's store, and logging is synchronous, so a trace is stored when the call returns (exactly-once bookkeeping
-in primerl.ledger.mlflow_ledger.MetricsFollower relies on that).
+in primerl.ledger.follower.MetricsFollower relies on that).
 """
 
 import os

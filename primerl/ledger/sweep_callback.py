@@ -11,6 +11,6 @@ from omegaconf import DictConfig
 
 class SweepLedgerCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from primerl.ledger.mlflow_ledger import finish_sweep
+        from primerl.ledger.sweep import finish_sweep
 
         finish_sweep(Path(config.hydra.sweep.dir).resolve())

@@ -5,12 +5,9 @@ format under `<cache_dir>/models/tiny-<hash>`; transformers and vLLM both load t
 """
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from primerl.model.config import TinyArchConfig
+from primerl.transport.atomic import atomic_dir
+from primerl.utils.locks import locked
 
 TOKENIZER_VERSION = 2  # bump when the tokenizer or template below changes: it is part of the cache key
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -139,9 +138,7 @@ def build_tiny_model(cache_dir: str, arch: TinyArchConfig, init_seed: int, dtype
     target = tiny_model_dir(cache_dir, arch, init_seed, dtype)
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(target):
         if (target / "config.json").exists():
             return target
         from transformers import AutoModelForCausalLM
@@ -150,12 +147,7 @@ def build_tiny_model(cache_dir: str, arch: TinyArchConfig, init_seed: int, dtype
         config = _hf_config(arch, tokenizer, dtype)
         torch.manual_seed(init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-        try:
+        with atomic_dir(target, mark_stable=False) as staging:  # replaces a partial one left by a killed builder
             model.save_pretrained(staging, safe_serialization=True)
             tokenizer.save_pretrained(staging)
-            shutil.rmtree(target, ignore_errors=True)  # a partial directory left by a killed builder
-            os.rename(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from primerl.envs.workers import EnvWorkers
     from primerl.orchestrator.online_eval import OnlineEval
     from primerl.orchestrator.replicas import Replicas
+    from primerl.orchestrator.watcher import Watcher
 
 log = get_logger("orchestrator")
 
@@ -167,14 +168,35 @@ def batch_writer(cfg: RunConfig, model_path: str) -> BatchWriter:
     )
 
 
-async def run_orchestrator(cfg: RunConfig) -> None:
-    """The real thing: verifiers envs, vLLM replicas, the run directory."""
-    from primerl.model.start import prepare_start_model
+async def served_policy(replicas: "Replicas", startup_timeout_s: float) -> Policy:
+    """Once every replica answers: the oldest version they serve (the others get the newest at watcher.update())."""
+    await asyncio.gather(*(client.wait_healthy(startup_timeout_s) for client in replicas.clients))
+    return Policy(min({await client.policy_version() for client in replicas.clients}))
+
+
+def make_watcher(cfg: RunConfig, replicas: "Replicas", policy: Policy, online_eval: "OnlineEval | None") -> "Watcher":
     from primerl.orchestrator.watcher import Watcher
     from primerl.transport.address import advertised_urls
 
-    orch, inf, run_dir = cfg.orchestrator, cfg.inference, Path(cfg.output_dir)
-    model_path = prepare_start_model(cfg)
+    run_dir, inf = Path(cfg.output_dir), cfg.inference
+    before_load = online_eval.before_load if online_eval else None
+    addresses = lambda: advertised_urls(run_dir, inf, inference_jobs(cfg))  # noqa: E731 - read again at each recovery
+    return Watcher(
+        run_dir,
+        replicas,
+        policy,
+        cfg.orchestrator.weight_poll_s,
+        inf.startup_timeout_s,
+        before_load=before_load,
+        addresses=addresses,
+    )
+
+
+async def run_orchestrator(cfg: RunConfig) -> None:
+    """The real thing: verifiers envs, vLLM replicas, the run directory."""
+    from primerl.model.start import prepare_start_model
+
+    run_dir, model_path = Path(cfg.output_dir), prepare_start_model(cfg)
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
@@ -187,29 +209,13 @@ async def run_orchestrator(cfg: RunConfig) -> None:
         pools: list[EnvWorkers] = []  # env worker pools (env.workers), each with a supervisor task
         runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas, pools)
         online_eval = await online_evals(cfg, model_path, run_dir, stack, replicas, pools)
-        await asyncio.gather(*(client.wait_healthy(inf.startup_timeout_s) for client in replicas.clients))
-        served = {await client.policy_version() for client in replicas.clients}
-        policy = Policy(min(served))  # replicas that serve another version get the newest at watcher.update()
-        watcher = Watcher(
-            run_dir,
-            replicas,
-            policy,
-            orch.weight_poll_s,
-            inf.startup_timeout_s,
-            before_load=online_eval.before_load if online_eval else None,
-            addresses=lambda: advertised_urls(run_dir, inf, inference_jobs(cfg)),
-        )
+        policy = await served_policy(replicas, cfg.inference.startup_timeout_s)
+        watcher = make_watcher(cfg, replicas, policy, online_eval)
         idle = IdleSampler(replicas.running_requests)
+        meter = CutMeter(env_names, idle, replicas, pools)
+        source = TaskSource(tasks, position)
         orchestrator = Orchestrator(
-            orch,
-            cfg.trainer.max_steps,
-            TaskSource(tasks, position),
-            runner,
-            writer,
-            policy,
-            start,
-            servers=watcher,
-            meter=CutMeter(env_names, idle, replicas, pools),
+            cfg.orchestrator, cfg.trainer.max_steps, source, runner, writer, policy, start, servers=watcher, meter=meter
         )
         watcher.on_change = orchestrator.notify
         await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published

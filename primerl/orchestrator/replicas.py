@@ -6,7 +6,7 @@ down and up (primerl.orchestrator.watcher), `ReplicaRunner` picks one per rollou
 Invariants:
 - a rollout runs on one replica from its first turn to its last (the replica's prefix cache holds its earlier turns);
 - a new rollout goes to the up replica with the fewest rollouts outstanding (ties: the lowest index), never to one
-  marked down;
+  marked down (the pool policy of primerl.utils.pool);
 - a rollout whose every trace failed is checked against its replica's health: when the replica refuses it (nothing
   listens, an error status), it is marked down and the rollout runs again, from the start, on another up replica
   (counted in `rerouted`); a rollout is run at most once per replica. Failures on a replica that is up, or only slow
@@ -27,10 +27,10 @@ from primerl.orchestrator.inference_client import InferenceClient
 from primerl.orchestrator.types import RolloutRunner
 from primerl.utils.liveness import Liveness, Pulse
 from primerl.utils.log import get_logger
+from primerl.utils.pool import HEALTH_EVERY_S, LOST, least_outstanding, race
 
 log = get_logger(__name__)
-HEALTH_EVERY_S = 5.0  # the watcher's health checks of every up replica
-SILENT_LIMIT_S = 15.0  # no health answer and no finished rollout for this long: down (three checks missed)
+SILENT_LIMIT_S = 15.0  # no health answer and no finished rollout for this long: down
 
 
 class Replicas:
@@ -60,8 +60,7 @@ class Replicas:
 
     def pick(self, exclude: set[int] = frozenset()) -> int | None:
         """The up replica with the fewest outstanding rollouts, not in `exclude`; None when there is none."""
-        candidates = [i for i, up in enumerate(self.up) if up and i not in exclude]
-        return min(candidates, key=lambda i: (self.outstanding[i], i)) if candidates else None
+        return least_outstanding(self.outstanding, self.up, exclude)
 
     def mark_down(self, index: int, why: str) -> None:
         if self.up[index]:
@@ -131,20 +130,11 @@ class ReplicaRunner:
     async def _run_on(self, index: int, task: Any) -> list[Rollout | RolloutFailure] | None:
         """The rollout's entries from replica `index`; None, the rollout cancelled, if the replica is marked down first."""
         self.replicas.outstanding[index] += 1
-        rollout = asyncio.ensure_future(self.runners[index].run(task))
-        went_down = asyncio.ensure_future(self.replicas.wait_down(index))
         try:
-            await asyncio.wait((rollout, went_down), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the caller was cancelled (the rollout's timeout): nothing is left running
-            rollout.cancel()
-            raise
+            entries = await race(self.runners[index].run(task), self.replicas.wait_down(index))
         finally:
             self.replicas.outstanding[index] -= 1
-            went_down.cancel()
-        if not rollout.done():
-            rollout.cancel()  # it finishes cancelling in the background
-            return None
-        return rollout.result()
+        return None if entries is LOST else entries
 
 
 def _first_reason(entries: list[Rollout | RolloutFailure]) -> str:

@@ -23,12 +23,13 @@ from pathlib import Path
 
 import httpx
 
-from primerl.orchestrator.replicas import HEALTH_EVERY_S, Replicas
+from primerl.orchestrator.replicas import Replicas
 from primerl.orchestrator.types import Policy
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import latest_stable_version
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
+from primerl.utils.pool import HEALTH_EVERY_S
 
 log = get_logger(__name__)
 MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they refuse end the run
