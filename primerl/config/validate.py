@@ -23,7 +23,12 @@ def validate(cfg: RunConfig) -> None:
     """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
     first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
     check_bounds(cfg)
-    orch, trainer, model, inf = cfg.orchestrator, cfg.trainer, cfg.model, cfg.inference
+    for check in (_orchestrator, _inference, _model, _data, _parallelism, _launcher):
+        check(cfg)
+
+
+def _orchestrator(cfg: RunConfig) -> None:
+    orch = cfg.orchestrator
     if orch.batch_size % orch.group_size:
         raise ConfigError(
             "orchestrator.batch_size",
@@ -46,6 +51,10 @@ def validate(cfg: RunConfig) -> None:
             f"{orch.max_inflight} cannot hold one batch of "
             f"orchestrator.batch_size={orch.batch_size}, which drain_per_step starts at once",
         )
+
+
+def _inference(cfg: RunConfig) -> None:
+    orch, trainer, inf = cfg.orchestrator, cfg.trainer, cfg.inference
     if orch.max_tokens >= inf.max_model_len:
         raise ConfigError(
             "orchestrator.max_tokens",
@@ -69,6 +78,12 @@ def validate(cfg: RunConfig) -> None:
             "trainer.seq_len",
             f"{trainer.seq_len} is shorter than inference.max_model_len={inf.max_model_len}: a full rollout must fit",
         )
+    if not _is_loopback(inf.host) and not inf.api_key:
+        raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
+
+
+def _model(cfg: RunConfig) -> None:
+    model, trainer = cfg.model, cfg.trainer
     if model.source == ModelSource.tiny:
         arch = model.arch
         if arch.num_attention_heads % arch.num_key_value_heads:
@@ -87,6 +102,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.path", "required when model.source=path")
     if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
         raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
+
+
+def _data(cfg: RunConfig) -> None:
     if cfg.eval.k > cfg.eval.samples_per_task:  # pass@k and avg@k, of `eval` and of the online evals
         raise ConfigError("eval.k", f"{cfg.eval.k} exceeds eval.samples_per_task={cfg.eval.samples_per_task}")
     for i, entry in enumerate(cfg.mixture):
@@ -96,8 +114,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("mixture", "each env may appear once (its id names its metrics)")
     if cfg.sft.data and not Path(cfg.sft.data).expanduser().exists():  # its rows: primerl.sft.data
         raise ConfigError("sft.data", f"{cfg.sft.data} is neither a JSONL file nor a datasets directory")
-    if not _is_loopback(inf.host) and not inf.api_key:
-        raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
+
+
+def _parallelism(cfg: RunConfig) -> None:
+    model, trainer = cfg.model, cfg.trainer
     par = cfg.parallelism
     if par.dp_shard == 0 or par.dp_shard < -1:
         raise ConfigError("parallelism.dp_shard", f"must be >= 1 or -1 (all remaining ranks), got {par.dp_shard}")
@@ -111,10 +131,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
     if par.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
-    _validate_launcher(cfg)
 
 
-def _validate_launcher(cfg: RunConfig) -> None:
+def _launcher(cfg: RunConfig) -> None:
     lc = cfg.launcher
     if lc.name not in ("local", "slurm"):
         raise ConfigError("launcher.name", f"'{lc.name}' is not one of [local, slurm]")

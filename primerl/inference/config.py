@@ -46,8 +46,8 @@ class InferenceConfig:
     gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
     cpu_kv_cache_gib: int = bounded(1, ge=1)
     # CPU only: how long vLLM's worker busy-waits (sched_yield) for the next engine step before it sleeps on a
-    # socket; vLLM's own is 1 s. On a small machine that spin holds a core the trainer needs: 0.005 made the
-    # trainer's forward+backward 25% faster on 2 cores (benchmarks/results.md, "Step profile"). None: vLLM's.
+    # socket; vLLM's own is 1 s. On a small machine that spin holds a core the trainer needs; 0.005 gives it back
+    # (measured: benchmarks/results.md, "Step profile"). None: vLLM's.
     cpu_idle_spin_s: float | None = bounded(0.005, ge=0)
     enforce_eager: bool = True
     quantization: Quantization = Quantization.none

@@ -18,7 +18,7 @@ class OrchestratorConfig:
     max_off_policy_steps: int | None = bounded(None, ge=0)
     # rollouts in flight at once, across step boundaries
     max_inflight: int = bounded(128, ge=1)
-    # true: lock-step, as before continuous dispatch: start one batch of groups, wait for every rollout, cut, repeat.
+    # true: lock-step: start one batch of groups, wait for every rollout, cut, repeat.
     drain_per_step: bool = False
     max_tokens: int = bounded(64, ge=1)
     temperature: float = bounded(1.0, gt=0)

@@ -13,9 +13,10 @@ group while the rollouts in flight plus the samples buffered leave room in the b
 `inflight + buffered < (min(v + async_level + 1, max_steps) - next_step) * batch_size`. So the orchestrator never runs
 more than async_level batches (plus less than one group) ahead, and with async_level = 0 a group is admitted only for
 the batch of the policy that generates it (an overshoot is dropped at the next cut, counted). Batch n is cut as soon as
-`batch_size` fresh-enough samples are buffered and policy n - async_level is served. After each cut, in-flight groups that can no longer be trained (dispatched under a version
-older than next_step - max_off_policy_steps) are cancelled. With `drain_per_step` (lock-step, as before continuous
-dispatch) one batch of groups is admitted at a time, and it is cut when every one of them has finished.
+`batch_size` fresh-enough samples are buffered and policy n - async_level is served. After each cut, in-flight groups
+that can no longer be trained (dispatched under a version older than next_step - max_off_policy_steps) are cancelled.
+With `drain_per_step` (lock-step, no continuous dispatch) one batch of groups is admitted at a time, and it is cut
+when every one of them has finished.
 
 Online evals (`eval.every`, primerl.orchestrator.online_eval) score the served policy on held-out envs: the watcher
 awaits the eval of version v, when one is due, before it loads a newer policy.
