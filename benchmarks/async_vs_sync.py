@@ -1,4 +1,4 @@
-"""Async vs sync RL: the same reverse-text work with orchestrator.async_level=0, 1 and 2.
+"""Async vs sync RL: the same primerl-reverse-text work with orchestrator.async_level=0, 1 and 2.
 
     python -m benchmarks.async_vs_sync [--steps 12] [--levels 0 1 2] [OVERRIDE ...]
 

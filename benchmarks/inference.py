@@ -2,7 +2,7 @@
 
     python -m benchmarks.inference [--rounds 3] [--sizes 128 256 512] [--hidden 1024 --max-tokens 128]
 
-1. Orchestrator overhead: completion tokens/s of the same reverse-text prompts (group size 8, T=1, 32 new tokens)
+1. Orchestrator overhead: completion tokens/s of the same primerl-reverse-text prompts (group size 8, T=1, 32 new tokens)
    sent (a) straight to vLLM's /v1/chat/completions, all at once, and (b) through primerl's orchestrator
    (verifiers env, in-process chat harness, train client with token ids and logprobs, scoring). Rounds alternate;
    the median of each is reported, with the ratio (goal: primerl within 10% of raw).
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from reverse_text.texts import make_texts, prompt_messages
+from primerl_reverse_text.texts import make_texts, prompt_messages
 
 from primerl.config.cli import check
 from primerl.envs.types import Rollout

@@ -2,7 +2,7 @@
 
     python -m benchmarks.long_tail [--steps 12] [--max-turns 16] [--max-off 4] [--variants full generation] [--sft]
 
-`env=long_tail` (multi-turn reverse-text: half the episodes one turn long, a fifth --max-turns long), the same batch
+`env=long_tail` (multi-turn primerl-reverse-text: half the episodes one turn long, a fifth --max-turns long), the same batch
 (64), group (8), max_off_policy_steps and model in both modes:
 - lock-step: `orchestrator.drain_per_step=true`, max_inflight = one batch: start a batch of groups, wait for the last
   episode, cut, repeat (the orchestrator before continuous dispatch);
@@ -19,7 +19,7 @@ batches' samples, cancelled rollouts, dropped samples; and the episode-time shap
 batch: median, p90, max rollout time). By default the player is the random tiny model, allowed to write lowercase
 letters only (`orchestrator.sampling_args.allowed_token_ids`), so every answer runs to --max-tokens and an episode's
 time grows with its turns; vLLM's logprobs are then renormalised over the letters, so the trainer masks every token:
-a throughput benchmark, not a learning one. `--sft` plays the reverse-text SFT checkpoint instead, whose ~7-token
+a throughput benchmark, not a learning one. `--sft` plays the primerl-reverse-text SFT checkpoint instead, whose ~7-token
 answers cost less than the orchestrator's and trainer's own work per turn on 2 cores.
 """
 
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument(
         "--sft",
         action="store_true",
-        help="play with the reverse-text SFT checkpoint (answers of ~7 "
+        help="play with the primerl-reverse-text SFT checkpoint (answers of ~7 "
         "tokens) instead of the random tiny model (answers run to --max-tokens)",
     )
     parser.add_argument("--variants", nargs="+", default=["full", "generation"], choices=["full", "generation"])

@@ -1,4 +1,4 @@
-"""Trainer tokens/s with sequence packing vs padding, on the tiny model and reverse-text RL sequences.
+"""Trainer tokens/s with sequence packing vs padding, on the tiny model and primerl-reverse-text RL sequences.
 
     python -m benchmarks.packing [--samples 256] [--seq-len 512] [--repeats 3]
 
@@ -14,7 +14,7 @@ import argparse
 import time
 
 import torch
-from reverse_text.texts import make_texts, prompt_messages
+from primerl_reverse_text.texts import make_texts, prompt_messages
 from transformers import AutoModelForCausalLM
 
 from primerl.model.config import TinyArchConfig

@@ -3,7 +3,7 @@
     python -m benchmarks.parallel [--samples 256] [--steps 3]
 
 Layouts: 1 rank; fsdp2 on 2 ranks; fsdp2_cp on 2 ranks (each row split in two); and for the MoE model, 1 rank and
-fsdp2_ep on 2 ranks. Each run trains `steps` copies of one batch of reverse-text sequences (packed rows of 512)
+fsdp2_ep on 2 ranks. Each run trains `steps` copies of one batch of primerl-reverse-text sequences (packed rows of 512)
 and reports the trainer's own `throughput/tokens_per_s` (computed tokens over forward + backward + optimizer,
 excluding the checkpoint and publish), median over the steps after the first. On a 2-core CPU, 2 ranks share
 the cores a single rank already uses, so the figures show each layout's communication cost, not a speed-up.
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from reverse_text.texts import make_texts, prompt_messages
+from primerl_reverse_text.texts import make_texts, prompt_messages
 
 from primerl.metrics import read_metrics
 from primerl.model.tiny import build_tokenizer

@@ -4,7 +4,7 @@
 
 Two vLLM-CPU servers of a random tiny Qwen3 (`--hidden`, so that generation dominates; rollouts run to
 `--max-tokens`), each pinned to its own core (process affinity and vLLM's OMP binding), started once. Each round runs
-the same number of reverse-text rollouts (`--tasks` x group 8, T=1) through primerl's rollout path (verifiers env,
+the same number of primerl-reverse-text rollouts (`--tasks` x group 8, T=1) through primerl's rollout path (verifiers env,
 train client, `ReplicaRunner` spreading by least outstanding) against replica 0 alone, then against both; rounds
 alternate and the medians are printed with their ratio. The orchestrator process floats over both cores in both
 cases. Then the weight update: a published checkpoint loaded in flight (pause, load, resume) into 1 and into both

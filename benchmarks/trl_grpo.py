@@ -2,7 +2,7 @@
 
     benchmarks/.venv-trl/bin/python benchmarks/trl_grpo.py MODEL_DIR OUT_DIR --steps N --batch B --group G --lr LR
 
-TRL's GRPOTrainer on the same tiny model (primerl's SFT checkpoint), the same reverse-text tasks ("rl" stream of
+TRL's GRPOTrainer on the same tiny model (primerl's SFT checkpoint), the same primerl-reverse-text tasks ("rl" stream of
 the same seed), reward (LCS ratio), group size, samples per step, temperature 1 and new tokens (`--max-tokens`); beta=0 (no
 reference model, as in primerl). Generation is TRL's HF `generate` (no vLLM server on this path). Writes the final
 model to OUT_DIR and prints one JSON line with the wall time.
@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-# the reverse-text task definitions only (pure Python, no verifiers): the module itself, not its env package
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments" / "reverse_text"))
+# the primerl-reverse-text task definitions only (pure Python, no verifiers): the module itself, not its env package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments" / "primerl_reverse_text"))
 
 from datasets import Dataset  # noqa: E402
 from texts import lcs_ratio, make_texts, prompt_messages, stream_seed  # noqa: E402

@@ -86,7 +86,7 @@ def sweep_children(store: Path, sweep: Path, lrs: list[str]) -> list:
 def model_samples(model_dir: str, n: int = 24, advantage=None) -> list:
     """RL samples whose inference logprobs are the model's own (ratio 1), with mixed-sign advantages (or `advantage`)."""
     import torch
-    from reverse_text.texts import make_texts, prompt_messages
+    from primerl_reverse_text.texts import make_texts, prompt_messages
     from transformers import AutoModelForCausalLM
 
     from primerl.model.tiny import build_tokenizer

@@ -47,7 +47,7 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
     tags = run.data.tags
     assert tags["mlflow.source.name"].startswith("python -m primerl.train") and tags["mlflow.user"]
     assert tags["mlflow.source.git.commit"] == tags["git.commit"] and len(tags["git.commit"]) == 40
-    assert tags["mlflow.note.content"].startswith("ledger_test: RL on env reverse-text")
+    assert tags["mlflow.note.content"].startswith("ledger_test: RL on env primerl-reverse-text")
     resolved_yaml = client.download_artifacts(ledger.run_id, "config/resolved.yaml", str(tmp_path))
     composed_yaml = client.download_artifacts(ledger.run_id, "config/composed.yaml", str(tmp_path))
     assert "${" not in open(resolved_yaml).read() and "${" in open(composed_yaml).read()

@@ -72,7 +72,7 @@ def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
     assert "step 3/3" in result.stdout
     evals = read_metrics(run, "eval")
     assert [r["step"] for r in evals] == [0, 2, 3]
-    assert all(r["reverse-text/rollouts"] + r["reverse-text/failures"] == 16 for r in evals)
+    assert all(r["primerl-reverse-text/rollouts"] + r["primerl-reverse-text/failures"] == 16 for r in evals)
     orch, trainer = read_metrics(run, "orchestrator"), read_metrics(run, "trainer")
     assert [r["step"] for r in orch] == [0, 1, 2] and [r["step"] for r in trainer] == [0, 1, 2]
     for row in orch:
@@ -103,7 +103,7 @@ def _check_ledger(run, trainer_rows):
     assert mlrun.info.status == "FINISHED"
     params, tags = mlrun.data.params, mlrun.data.tags
     assert params["trainer.max_steps"] == "3" and params["orchestrator.group_size"] == "4"
-    assert params["env.id"] == "reverse-text"
+    assert params["env.id"] == "primerl-reverse-text"
     for key in (
         "seed",
         "git.commit",
@@ -122,7 +122,7 @@ def _check_ledger(run, trainer_rows):
     assert [m.step for m in history] == [0, 1, 2]
     assert [m.value for m in history] == pytest.approx([r["loss"] for r in trainer_rows])
     assert len(client.get_metric_history(record["run_id"], "orchestrator/reward/mean")) == 3
-    online = client.get_metric_history(record["run_id"], "eval/reverse-text/reward_mean")
+    online = client.get_metric_history(record["run_id"], "eval/primerl-reverse-text/reward_mean")
     assert [m.step for m in sorted(online, key=lambda m: m.step)] == [0, 2, 3]
     artifacts = {a.path for a in client.list_artifacts(record["run_id"])}
     assert {"config", "reward.png", "samples"} <= artifacts
@@ -138,9 +138,9 @@ def _check_ledger(run, trainer_rows):
 
 def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
     """Two envs by weight, from the experiment's command (its SFT left on: a mixture has no demonstrations); one of
-    them, guess-number (any installed verifiers env by id), is multi-turn."""
+    them, primerl-guess-number (any installed verifiers env by id), is multi-turn."""
     run = tmp_path / "mixture"
-    mixture = "mixture=[{id:reverse-text,weight:1},{id:guess-number,weight:1,args:{high:16}}]"
+    mixture = "mixture=[{id:primerl-reverse-text,weight:1},{id:primerl-guess-number,weight:1,args:{high:16}}]"
     result = _train(
         run, mixture, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2, sft=True
     )
@@ -150,19 +150,24 @@ def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
     rows = read_metrics(run, "orchestrator")
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
-        assert row["env/reverse-text/samples"] + row["env/guess-number/samples"] == 16
+        assert row["env/primerl-reverse-text/samples"] + row["env/primerl-guess-number/samples"] == 16
         assert read_rollout_batch(rollout_path(run, row["step"])).num_samples == 16
-        if row["env/reverse-text/samples"] and row["env/guess-number/samples"]:  # each env's reward function
+        if (
+            row["env/primerl-reverse-text/samples"] and row["env/primerl-guess-number/samples"]
+        ):  # each env's reward function
             assert {"reward/lcs", "reward/solved"} <= set(row)
     sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
-    assert all(s["task"].startswith(("reverse-text/", "guess-number/")) for s in sampled)
-    assert sum(r["env/guess-number/samples"] for r in rows) > 0 and sum(r["env/reverse-text/samples"] for r in rows) > 0
+    assert all(s["task"].startswith(("primerl-reverse-text/", "primerl-guess-number/")) for s in sampled)
+    assert (
+        sum(r["env/primerl-guess-number/samples"] for r in rows) > 0
+        and sum(r["env/primerl-reverse-text/samples"] for r in rows) > 0
+    )
     # a multi-turn rollout yields a sample per branch; the env's @vf.metric reaches the metrics
-    assert all(1 <= r["metric/turns"] <= 5 for r in rows if r["env/guess-number/samples"])
+    assert all(1 <= r["metric/turns"] <= 5 for r in rows if r["env/primerl-guess-number/samples"])
     # env turns are masked out: only sampled tokens count, so the trainer's and vLLM's logprobs agree at step 0
     assert read_metrics(run, "trainer")[0]["mismatch_kl"] < 1e-4
     # each sampled episode (one per group: every batch shows both envs' groups) is a trace with a span per model
-    # call, timed by verifiers; guess-number's episodes have several
+    # call, timed by verifiers; primerl-guess-number's episodes have several
     from mlflow.tracking import MlflowClient
 
     record = json.loads((run / "ledger.json").read_text())
@@ -175,8 +180,8 @@ def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
     assert all(s.start_time_ns < s.end_time_ns for s in llm_spans)
     # bad input: one line naming the key, before any process starts
     for bad, key in (
-        ("mixture=[{id:reverse-text},{id:no-such-env}]", "mixture[1].id: no installed verifiers"),
-        ("mixture=[{id:reverse-text,weight:-1}]", "mixture[0].weight"),
+        ("mixture=[{id:primerl-reverse-text},{id:no-such-env}]", "mixture[1].id: no installed verifiers"),
+        ("mixture=[{id:primerl-reverse-text,weight:-1}]", "mixture[0].weight"),
     ):
         result = subprocess.run(
             _train_cmd(tmp_path / "bad", bad), cwd=ROOT, capture_output=True, text=True, timeout=300

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from reverse_text.texts import demonstration_answers, lcs_ratio, make_texts, prompt_messages
+from primerl_reverse_text.texts import demonstration_answers, lcs_ratio, make_texts, prompt_messages
 from transformers import AutoModelForCausalLM
 
 from primerl.config.cli import check
@@ -105,10 +105,10 @@ def test_chat_dataset_from_a_datasets_directory(tmp_path):
 def test_sft_cache_key_follows_the_generator_version(monkeypatch):
     """A changed demonstration generator (its package's DEMONSTRATIONS_VERSION bumped) trains a new warm-start instead
     of reusing the old; so do other generator options."""
-    import code_lookup
-    import reverse_text
+    import primerl_code_lookup
+    import primerl_reverse_text
 
-    for experiment, package in (("code_lookup", code_lookup), ("reverse_text", reverse_text)):
+    for experiment, package in (("code_lookup", primerl_code_lookup), ("reverse_text", primerl_reverse_text)):
         cfg = check([f"+experiment={experiment}"])
         before = sft_checkpoint_dir(cfg)
         assert sft_checkpoint_dir(check([f"+experiment={experiment}"])) == before  # stable
@@ -237,7 +237,7 @@ def test_sft_from_a_chat_dataset(tmp_path):
     assert metrics["steps"] == len(metrics["losses"]) == STOP_WINDOW
     assert f"stopping at step {STOP_WINDOW}: mean loss of the last {STOP_WINDOW} steps" in result.stdout + result.stderr
     for bad, why in (
-        (["sft.data=null"], "sft.data: no demonstrations for env.id=guess-number"),
+        (["sft.data=null"], "sft.data: no demonstrations for env.id=primerl-guess-number"),
         ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
         ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory"),
     ):
@@ -252,15 +252,15 @@ def test_sft_from_a_chat_dataset(tmp_path):
         f"hydra.run.dir={tmp_path}/out",
         "ledger.enabled=false",
     )
-    why = "sft.demonstration_args: reverse-text: uppercase_fraction must be >= 0 and < 1, got 1.0"
+    why = "sft.demonstration_args: primerl-reverse-text: uppercase_fraction must be >= 0 and < 1, got 1.0"
     assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_an_env_without_demonstrations_starts_rl_from_the_base_model(caplog):
-    """The driver's decision before anything starts (`primerl.train` with `env.id=guess-number`, SFT on): no SFT, said
+    """The driver's decision before anything starts (`primerl.train` with `env.id=primerl-guess-number`, SFT on): no SFT, said
     once. The mixture's case runs through the driver in tests/test_rl_e2e.py."""
     from primerl.launch.supervise import sft_needed
 
-    assert not sft_needed(check(["+experiment=reverse_text", "env=verifiers", "env.id=guess-number"]))
-    assert "no SFT warm-start: no demonstrations for env.id=guess-number" in caplog.text
+    assert not sft_needed(check(["+experiment=reverse_text", "env=verifiers", "env.id=primerl-guess-number"]))
+    assert "no SFT warm-start: no demonstrations for env.id=primerl-guess-number" in caplog.text

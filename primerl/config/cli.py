@@ -26,7 +26,7 @@ from primerl.config.validate import validate
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import configure_logging, get_logger
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # package data: installed with primerl
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra prints help or config and exits, or which change where the config comes from.
 _SKIP_PREFLIGHT = {

@@ -1,6 +1,6 @@
 """The root schema: one typed dataclass per config group, registered in Hydra's ConfigStore.
 
-`conf/config.yaml` lists `primerl_schema` first in its defaults, so every group file merges into a typed node:
+`primerl/conf/config.yaml` lists `primerl_schema` first in its defaults, so every group file merges into a typed node:
 an unknown key or a value of the wrong type fails at composition, before any process starts.
 """
 

@@ -17,7 +17,7 @@ class EnvConfig:
     harness_args: dict[str, Any] = field(default_factory=dict)
     runtime: str = "subprocess"
     args: dict[str, Any] = field(default_factory=dict)  # the taskset's own config fields
-    # merged over `args` for evaluation: the env's held-out split (e.g. reverse-text's {stream: eval}); the default
+    # merged over `args` for evaluation: the env's held-out split (e.g. primerl-reverse-text's {stream: eval}); the default
     # online eval env when there is one (primerl.eval.config)
     eval_args: dict[str, Any] = field(default_factory=dict)
     # rollouts run in this many worker processes (a verifiers EnvServer each; primerl.envs.workers), not in the

@@ -9,7 +9,7 @@ and reward functions, verifiers' train client. Every task of the first `eval.num
     python -m primerl.eval env=verifiers env.id=ID +env.args.KEY=VALUE eval.model=DIR eval.samples_per_task=8 eval.k=8
 
 By default (`eval.held_out=true`) the env's held-out split is used where it has one: `env.eval_args` merged over
-`env.args` (reverse-text: `{stream: eval}`, texts disjoint from its RL and SFT streams).
+`env.args` (primerl-reverse-text: `{stream: eval}`, texts disjoint from its RL and SFT streams).
 
 Prints and writes to `<output_dir>/eval.json`: mean reward with its standard error, avg@k, unbiased pass@k (a
 rollout passes when its reward is at least `eval.success_threshold`), each reward function's and env metric's

@@ -1,4 +1,4 @@
-"""A Hydra callback (listed in conf/config.yaml) that closes a sweep's MLflow parent run when the multirun ends.
+"""A Hydra callback (listed in primerl/conf/config.yaml) that closes a sweep's MLflow parent run when the multirun ends.
 
 It runs in the process that launched the sweep, whatever the launcher (basic, submitit local or SLURM, Optuna).
 """

@@ -30,7 +30,7 @@ class SftConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW
     weight_decay: float = bounded(0.0, ge=0)
     max_grad_norm: float = bounded(1.0, gt=0)
-    # the options of the env's demonstration generator, e.g. reverse-text's {uppercase_fraction: 0.5}: half its
+    # the options of the env's demonstration generator, e.g. primerl-reverse-text's {uppercase_fraction: 0.5}: half its
     # answers in capitals, a sloppy teacher whose habit RL unlearns (experiments/reverse_text)
     demonstration_args: dict[str, Any] = field(default_factory=dict)
     # also keep the checkpoint every N steps (<checkpoint>-step<N>); 0: only the final one

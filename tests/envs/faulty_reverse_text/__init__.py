@@ -1,13 +1,13 @@
-"""`faulty-reverse-text` (tests only, on PYTHONPATH=tests/envs): reverse-text whose reward misbehaves by design.
+"""`faulty-reverse-text` (tests only, on PYTHONPATH=tests/envs): primerl-reverse-text whose reward misbehaves by design.
 
 For a task whose text hashes to 0, 1 or 2 (mod 8) the reward raises, hangs, or returns NaN; other tasks score as
-in reverse-text. The orchestrator must count those rollouts as failed and keep training.
+in primerl-reverse-text. The orchestrator must count those rollouts as failed and keep training.
 
 With `process_faults=true` (for env worker processes, primerl.envs.workers) a task whose text hashes to 3 or 4 (mod
 32) also kills its process (`os._exit(3)`) or blocks its event loop (`time.sleep`, `block_s`): in the orchestrator's
 own loop either would take the whole run down, in a worker only that worker's rollouts. With `fault_dir` each of
 those two fires once per run (a marker file there says it has), so a run sees exactly one of each whatever the speed
-of the machine; the other such tasks score as in reverse-text then. The reward faults fire on every task they hit: a
+of the machine; the other such tasks score as in primerl-reverse-text then. The reward faults fire on every task they hit: a
 hung reward fails only its own rollout, at the rollout timeout, unless its worker is lost first.
 """
 
@@ -18,8 +18,8 @@ import zlib
 
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
-from reverse_text import ReverseTextConfig, ReverseTextData, ReverseTextTaskset
-from reverse_text.texts import lcs_ratio
+from primerl_reverse_text import ReverseTextConfig, ReverseTextData, ReverseTextTaskset
+from primerl_reverse_text.texts import lcs_ratio
 
 from primerl.envs.trace_text import final_reply
 

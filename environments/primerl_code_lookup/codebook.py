@@ -1,7 +1,7 @@
-"""The `code-lookup` tool server: `lookup(word)` answers the word's 3-digit code.
+"""The `primerl-code-lookup` tool server: `lookup(word)` answers the word's 3-digit code.
 
 A code is a keyed hash of the word (`salt`), so no model can know it without asking: the tool is necessary. The
-server is taskset-scoped (one process for a whole run, started by verifiers as `python -m code_lookup.codebook`).
+server is taskset-scoped (one process for a whole run, started by verifiers as `python -m primerl_code_lookup.codebook`).
 """
 
 import hashlib

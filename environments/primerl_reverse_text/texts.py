@@ -1,5 +1,5 @@
-"""The reverse-text task: texts, prompts and the LCS-ratio reward, defined once for the env's tasks, its SFT
-demonstrations and the envs built on it (long-tail). Imports no verifiers."""
+"""The primerl-reverse-text task: texts, prompts and the LCS-ratio reward, defined once for the env's tasks, its SFT
+demonstrations and the envs built on it (primerl-long-tail). Imports no verifiers."""
 
 import random
 import string

@@ -1,4 +1,4 @@
-"""`guess-number`: a multi-turn game. The policy guesses a secret integer in [1, high]; after each guess the env
+"""`primerl-guess-number`: a multi-turn game. The policy guesses a secret integer in [1, high]; after each guess the env
 answers "higher", "lower" or "correct". Reward: 1 - (guesses - 1) / max_turns when solved, else 0.
 """
 

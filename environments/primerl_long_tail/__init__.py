@@ -1,17 +1,17 @@
-"""`long-tail`: multi-turn reverse-text whose episodes have heavy-tailed turn counts, as agentic tasks do.
+"""`primerl-long-tail`: multi-turn primerl-reverse-text whose episodes have heavy-tailed turn counts, as agentic tasks do.
 
 Each task is a chain of texts to reverse, one per turn: the env shows the next text after each answer. Most chains are
 one text long; a `tail_fraction` of them are `max_turns` long, the rest 2-4. In a batch of 8 tasks the slowest episode
 then runs about `max_turns` times as long as the median one. Reward: the mean LCS ratio of the answers to the true
 reversals (a missing answer scores 0). Metric `turns`: answers given. It exists to measure what waiting for the
-slowest episode of a batch costs (benchmarks/long_tail.py); the reverse-text SFT checkpoint plays it.
+slowest episode of a batch costs (benchmarks/long_tail.py); the primerl-reverse-text SFT checkpoint plays it.
 """
 
 import random
 
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
-from reverse_text.texts import MAX_LEN, MIN_LEN, SYSTEM_PROMPT, lcs_ratio, make_texts
+from primerl_reverse_text.texts import MAX_LEN, MIN_LEN, SYSTEM_PROMPT, lcs_ratio, make_texts
 
 from primerl.envs.trace_text import final_reply
 

@@ -1,6 +1,6 @@
-"""`reverse-text`: reverse a random lowercase string; reward = LCS ratio to the true reversal.
+"""`primerl-reverse-text`: reverse a random lowercase string; reward = LCS ratio to the true reversal.
 
-Tasks come from `reverse_text.texts` (the same generator SFT trains on), seeded by `seed`; training draws an unbounded
+Tasks come from `primerl_reverse_text.texts` (the same generator SFT trains on), seeded by `seed`; training draws an unbounded
 stream, `num_tasks` bounds it; `stream=eval` gives the held-out texts (`python -m primerl.eval`). `demonstrations` is
 primerl's SFT hook (primerl.envs.demonstrations): reversals from their own text stream, some in capitals on request.
 """
@@ -12,7 +12,7 @@ import verifiers.v1 as vf
 from primerl_chat import ChatHarness
 
 from primerl.envs.trace_text import final_reply
-from reverse_text.texts import (
+from primerl_reverse_text.texts import (
     MAX_LEN,
     MIN_LEN,
     SYSTEM_PROMPT,

@@ -1,4 +1,4 @@
-"""`code-lookup`: a tool-use task. Each word has a 3-digit code that only the `lookup` tool knows (a keyed hash), so
+"""`primerl-code-lookup`: a tool-use task. Each word has a 3-digit code that only the `lookup` tool knows (a keyed hash), so
 the model must call the tool with the word and answer with the code it returns. Reward: 1 when the final answer is
 the code, else 0. The tool-use metrics (calls, valid-call rate, turns, errors by reason) come from the
 `primerl-chat` harness. `stream=eval` draws held-out words, disjoint from the training stream of the same seed.
@@ -12,8 +12,8 @@ from typing import Literal
 import verifiers.v1 as vf
 from primerl_chat import ChatHarness
 
-from code_lookup.codebook import CodeBook, CodeBookConfig, code_of
 from primerl.envs.trace_text import final_reply
+from primerl_code_lookup.codebook import CodeBook, CodeBookConfig, code_of
 
 SYSTEM_PROMPT = "Answer with the code only."
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -56,7 +56,9 @@ def words(seed: int, stream: str, min_len: int, max_len: int):
     side (streams "rl" and "sft") or the held-out side ("eval") of a fixed split, so no held-out word is trained on."""
     rng = random.Random(f"{seed}/code-lookup/{stream}")
     while True:
-        word = "".join(rng.sample(LETTERS, rng.randint(min_len, max_len)))  # distinct letters, as reverse-text's
+        word = "".join(
+            rng.sample(LETTERS, rng.randint(min_len, max_len))
+        )  # distinct letters, as primerl-reverse-text's
         if (hash_bit(word) == 0) == (stream != "eval"):
             yield word
 
