@@ -1,0 +1,125 @@
+"""`python -m primerl.compare`: compare runs recorded in the MLflow ledger.
+
+Selects runs by experiment, sweep (parent run id or sweep directory) and an MLflow filter string, prints the
+settings that differ between them and their final metrics, and writes a PNG of their reward curves.
+
+    python -m primerl.compare --experiment reverse_text
+    python -m primerl.compare --sweep multirun/reverse_text/2026-12-02_10-00-00 --plot sweep.png
+    python -m primerl.compare --filter "params.trainer.optim.lr = '3e-05'"
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from primerl.plot import plot_curves
+
+REWARD = "orchestrator/reward/mean"
+FINAL_METRICS = (REWARD, "trainer/loss", "trainer/mismatch_kl", "orchestrator/rollouts/failed")
+RESULT_PARAMS = ("sft.result.loss_final",)
+NOISY_PARAMS = ("output_dir", "hydra", "cache_dir")
+
+
+def default_uri(store_dir: str) -> str:
+    return f"sqlite:///{Path(store_dir).resolve() / 'mlflow.db'}"
+
+
+def select_runs(client: MlflowClient, experiment: str | None, sweep: str | None, filter_string: str) -> list:
+    experiments = [client.get_experiment_by_name(experiment)] if experiment else client.search_experiments()
+    ids = [e.experiment_id for e in experiments if e is not None]
+    if not ids:
+        raise SystemExit(f"compare: no experiment named '{experiment}' in {client.tracking_uri}")
+    clauses = [f for f in [filter_string, "tags.`primerl.kind` != 'sweep'"] if f]
+    if sweep and Path(sweep).is_dir():
+        clauses.append(f"tags.`primerl.sweep_dir` = '{Path(sweep).resolve()}'")
+    elif sweep:
+        clauses.append(f"tags.mlflow.parentRunId = '{sweep}'")
+    return client.search_runs(ids, " and ".join(clauses), order_by=["attributes.start_time ASC"], max_results=500)
+
+
+def differing_params(runs: list) -> list[str]:
+    keys = sorted({k for r in runs for k in r.data.params if not k.startswith(NOISY_PARAMS)})
+    return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
+
+
+def eval_metrics(runs: list) -> list[str]:
+    """The online evals' mean rewards any of the runs has (`eval/<env>/reward_mean`)."""
+    return sorted({m for r in runs for m in r.data.metrics if m.startswith("eval/") and m.endswith("/reward_mean")})
+
+
+def table(runs: list, keys: list[str]) -> str:
+    evals = eval_metrics(runs)
+    header = [
+        "run",
+        "status",
+        *keys,
+        *(m.split("/", 1)[-1] for m in FINAL_METRICS),
+        *(f"eval {m.split('/')[1]}" for m in evals),
+        *(p.removeprefix("sft.result.") + " (sft)" for p in RESULT_PARAMS),
+    ]
+    rows = [header]
+    for r in runs:
+        metrics = [f"{r.data.metrics[m]:.4g}" if m in r.data.metrics else "-" for m in (*FINAL_METRICS, *evals)]
+        rows.append(
+            [
+                r.info.run_name or r.info.run_id[:8],
+                r.info.status,
+                *(r.data.params.get(k, "-") for k in keys),
+                *metrics,
+                *(r.data.params.get(p, "-") for p in RESULT_PARAMS),
+            ]
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m primerl.compare",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + __doc__.split("\n\n")[2],
+    )
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: the sqlite store in --store-dir)")
+    parser.add_argument(
+        "--store-dir", default="outputs", help="where the embedded store mlflow.db lives (default: %(default)s)"
+    )
+    parser.add_argument("--experiment", help="experiment name (default: every experiment)")
+    parser.add_argument("--sweep", help="a sweep's parent run id or its sweep directory")
+    parser.add_argument(
+        "--filter", default="", help="an MLflow search filter, e.g. \"params.seed = '1'\" (default: none)"
+    )
+    parser.add_argument(
+        "--plot",
+        default="compare_rewards.png",
+        help="where the PNG of reward curves is written, relative to the current directory; '' for none "
+        "(default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    uri = args.tracking_uri or default_uri(args.store_dir)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        print(f"compare: no ledger at {uri}", file=sys.stderr)
+        return 2
+    client = MlflowClient(uri)
+    runs = select_runs(client, args.experiment, args.sweep, args.filter)
+    if not runs:
+        print("compare: no runs match", file=sys.stderr)
+        return 1
+    keys = differing_params(runs)
+    print(f"{len(runs)} run(s) in {uri}; settings that differ: {', '.join(keys) or '(none)'}")
+    print(table(runs, keys))
+    if args.plot:
+        curves = {}
+        for r in runs:
+            label = r.info.run_name or r.info.run_id[:8]
+            if keys:
+                label += " " + " ".join(f"{k.rsplit('.', 1)[-1]}={r.data.params.get(k)}" for k in keys)
+            curves[label] = [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, REWARD)]
+        print(f"reward curves: {plot_curves(curves, args.plot, title='reward per step')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

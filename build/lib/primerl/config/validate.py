@@ -1,0 +1,175 @@
+"""Cross-field checks that a typed schema cannot express. Each failure names the offending key."""
+
+import ipaddress
+from pathlib import Path
+
+from primerl.config.schema import RunConfig
+from primerl.launch.config import JOB_ROLES
+from primerl.model.config import ModelSource
+from primerl.utils.bounds import check_bounds
+from primerl.utils.errors import ConfigError
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
+    first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
+    check_bounds(cfg)
+    for check in (_orchestrator, _inference, _model, _data, _parallelism, _launcher):
+        check(cfg)
+
+
+def _orchestrator(cfg: RunConfig) -> None:
+    orch = cfg.orchestrator
+    if orch.batch_size % orch.group_size:
+        raise ConfigError(
+            "orchestrator.batch_size",
+            f"{orch.batch_size} is not divisible by orchestrator.group_size={orch.group_size}",
+        )
+    if orch.max_off_policy_steps is not None and orch.max_off_policy_steps < orch.async_level:
+        raise ConfigError(
+            "orchestrator.max_off_policy_steps",
+            f"{orch.max_off_policy_steps} is below "
+            f"orchestrator.async_level={orch.async_level}: batches allowed to run ahead would be dropped",
+        )
+    if orch.max_inflight < orch.group_size:
+        raise ConfigError(
+            "orchestrator.max_inflight",
+            f"{orch.max_inflight} cannot hold one group of orchestrator.group_size={orch.group_size}",
+        )
+    if orch.drain_per_step and orch.max_inflight < orch.batch_size:
+        raise ConfigError(
+            "orchestrator.max_inflight",
+            f"{orch.max_inflight} cannot hold one batch of "
+            f"orchestrator.batch_size={orch.batch_size}, which drain_per_step starts at once",
+        )
+
+
+def _inference(cfg: RunConfig) -> None:
+    orch, trainer, inf = cfg.orchestrator, cfg.trainer, cfg.inference
+    if orch.max_tokens >= inf.max_model_len:
+        raise ConfigError(
+            "orchestrator.max_tokens",
+            f"{orch.max_tokens} leaves no room for the prompt in inference.max_model_len={inf.max_model_len}",
+        )
+    if inf.replicas > 1 and inf.pd.enabled:
+        raise ConfigError(
+            "inference.replicas",
+            f"{inf.replicas} with inference.pd.enabled: replicas of a "
+            "prefill/decode pair are not supported; use one or the other",
+        )
+    if inf.replicas % cfg.launcher.inference_jobs:
+        raise ConfigError(
+            "launcher.inference_jobs",
+            f"{cfg.launcher.inference_jobs} jobs cannot share inference.replicas={inf.replicas} evenly",
+        )
+    if inf.port and inf.port + inf.replicas - 1 > 65535:
+        raise ConfigError("inference.replicas", f"{inf.replicas} replicas from port {inf.port} run past port 65535")
+    if trainer.seq_len < inf.max_model_len:
+        raise ConfigError(
+            "trainer.seq_len",
+            f"{trainer.seq_len} is shorter than inference.max_model_len={inf.max_model_len}: a full rollout must fit",
+        )
+    if not _is_loopback(inf.host) and not inf.api_key:
+        raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
+
+
+def _model(cfg: RunConfig) -> None:
+    model, trainer = cfg.model, cfg.trainer
+    if model.source == ModelSource.tiny:
+        arch = model.arch
+        if arch.num_attention_heads % arch.num_key_value_heads:
+            raise ConfigError(
+                "model.arch.num_key_value_heads",
+                f"{arch.num_key_value_heads} must divide num_attention_heads={arch.num_attention_heads}",
+            )
+        for key, length in (("trainer.seq_len", trainer.seq_len), ("sft.seq_len", cfg.sft.seq_len)):
+            if length > arch.max_position_embeddings:
+                raise ConfigError(
+                    key, f"{length} exceeds model.arch.max_position_embeddings={arch.max_position_embeddings}"
+                )
+    if model.source == ModelSource.hub and not model.hub_id:
+        raise ConfigError("model.hub_id", "required when model.source=hub")
+    if model.source == ModelSource.path and not model.path:
+        raise ConfigError("model.path", "required when model.source=path")
+    if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
+        raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
+
+
+def _data(cfg: RunConfig) -> None:
+    if cfg.eval.k > cfg.eval.samples_per_task:  # pass@k and avg@k, of `eval` and of the online evals
+        raise ConfigError("eval.k", f"{cfg.eval.k} exceeds eval.samples_per_task={cfg.eval.samples_per_task}")
+    for i, entry in enumerate(cfg.mixture):
+        if not entry.weight > 0:
+            raise ConfigError(f"mixture[{i}].weight", f"{entry.weight} is not a positive sampling weight")
+    if len({entry.id for entry in cfg.mixture}) < len(cfg.mixture):
+        raise ConfigError("mixture", "each env may appear once (its id names its metrics)")
+    if cfg.sft.data and not Path(cfg.sft.data).expanduser().exists():  # its rows: primerl.sft.data
+        raise ConfigError("sft.data", f"{cfg.sft.data} is neither a JSONL file nor a datasets directory")
+
+
+def _parallelism(cfg: RunConfig) -> None:
+    model, trainer = cfg.model, cfg.trainer
+    par = cfg.parallelism
+    if par.dp_shard == 0 or par.dp_shard < -1:
+        raise ConfigError("parallelism.dp_shard", f"must be >= 1 or -1 (all remaining ranks), got {par.dp_shard}")
+    if par.ep > 1:
+        experts = model.arch.num_experts
+        if model.source != ModelSource.tiny or experts == 0:
+            raise ConfigError("parallelism.ep", f"expert parallel needs a MoE model (model.arch.num_experts={experts})")
+        if experts % par.ep:
+            raise ConfigError("parallelism.ep", f"{par.ep} must divide model.arch.num_experts={experts}")
+    if trainer.seq_len % par.cp:
+        raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
+    if par.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
+
+
+def _launcher(cfg: RunConfig) -> None:
+    lc = cfg.launcher
+    if lc.name not in ("local", "slurm"):
+        raise ConfigError("launcher.name", f"'{lc.name}' is not one of [local, slurm]")
+    if lc.name == "local" and lc.trainer_nodes != 1:
+        raise ConfigError(
+            "launcher.trainer_nodes", f"{lc.trainer_nodes} nodes need launcher=slurm; local is one machine"
+        )
+    if lc.name == "slurm":
+        if lc.signal_delay_s >= lc.time_limit_min * 60:
+            raise ConfigError(
+                "launcher.signal_delay_s",
+                f"{lc.signal_delay_s}s is not shorter than the time limit launcher.time_limit_min={lc.time_limit_min}",
+            )
+        if cfg.inference.pd.enabled:
+            raise ConfigError("inference.pd.enabled", "prefill/decode servers are not placed by launcher=slurm yet")
+        for role in lc.sbatch:
+            if role not in JOB_ROLES:
+                raise ConfigError(f"launcher.sbatch.{role}", f"'{role}' is not a job role; one of {list(JOB_ROLES)}")
+
+
+def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:
+    """The data-parallel shard degree for this world size.
+
+    world = dp_shard x cp. Expert parallel shards the experts over all dp_shard ranks (ep == dp_shard), without cp.
+    """
+    par = cfg.parallelism
+    dp = par.dp_shard if par.dp_shard != -1 else world_size // par.cp
+    if dp * par.cp != world_size:
+        raise ConfigError(
+            "parallelism.dp_shard",
+            f"dp_shard={dp} x cp={par.cp} = {dp * par.cp} does not equal the world size {world_size}",
+        )
+    if par.ep > 1 and (par.ep != dp or par.cp > 1):
+        raise ConfigError(
+            "parallelism.ep",
+            f"{par.ep} must equal dp_shard={dp} with cp=1 (world size {world_size}): "
+            "experts are sharded over all data-parallel ranks",
+        )
+    return dp

@@ -1,0 +1,39 @@
+"""The rollout types that envs produce and the orchestrator consumes, in one neutral module (no verifiers import).
+
+A rollout is one episode of one task; it yields one `Rollout` per trainable trace (usually one) or a
+`RolloutFailure`: failures are data, counted, never exceptions.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class ScoredBranch:
+    token_ids: list[int]
+    sampled_mask: list[bool]
+    logprobs: list[float]
+
+
+@dataclass
+class Rollout:
+    """One finished, scored rollout (one trace) with its trainable branches."""
+
+    reward: float
+    rewards: dict[str, float]  # each reward function's score
+    branches: list[ScoredBranch]
+    completion: str  # the last assistant message
+    prompt: str = ""  # the messages before the first assistant message
+    metrics: dict[str, float] = field(default_factory=dict)  # the env's @vf.metric values
+    transcript: list[dict] = field(default_factory=list)  # primerl.envs.trace_text.transcript: messages with timings
+
+
+@dataclass
+class RolloutFailure:
+    reason: str
+
+
+class RolloutRunner(Protocol):
+    """Runs one rollout of a task to the end. Failures come back as `RolloutFailure` data, never as exceptions."""
+
+    async def run(self, task: Any) -> list[Rollout | RolloutFailure]: ...

@@ -1,0 +1,166 @@
+"""`python -m primerl.eval`: score a model, or a run's published policy, on any verifiers environment.
+
+The same rollout path as training: a vLLM server (the `inference` group) serving the model, the env's own harness
+and reward functions, verifiers' train client. Every task of the first `eval.num_tasks` of the env's stream gets
+`eval.samples_per_task` rollouts at `eval.temperature`.
+
+    python -m primerl.eval +experiment=reverse_text eval.model=~/.cache/primerl/sft/reverse_text-XXXX
+    python -m primerl.eval +experiment=reverse_text eval.run=outputs/reverse_text/RUN eval.step=60
+    python -m primerl.eval env=verifiers env.id=ID +env.args.KEY=VALUE eval.model=DIR eval.samples_per_task=8 eval.k=8
+
+By default (`eval.held_out=true`) the env's held-out split is used where it has one: `env.eval_args` merged over
+`env.args` (primerl-reverse-text: `{stream: eval}`, texts disjoint from its RL and SFT streams).
+
+Prints and writes to `<output_dir>/eval.json`: mean reward with its standard error, avg@k, unbiased pass@k (a
+rollout passes when its reward is at least `eval.success_threshold`), each reward function's and env metric's
+mean, and the failed rollouts by reason (counted, never scored). Records an MLflow run (tag `primerl.kind=eval`,
+`eval.model` = the directory evaluated) with the scores as `eval/<env id>/...` at the evaluated step.
+"""
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.schema import RunConfig
+from primerl.envs.config import EnvConfig
+from primerl.envs.scoring import TaskResult, run_tasks, summarize
+from primerl.transport.atomic import is_stable, write_json
+from primerl.transport.run_dir import eval_summary_path, log_path, vllm_scratch_prefix, weights_path
+from primerl.transport.weights import latest_stable_version
+from primerl.utils.errors import ConfigError
+from primerl.utils.log import get_logger
+from primerl.utils.process import free_port
+
+log = get_logger("eval")
+
+
+def model_to_evaluate(cfg: RunConfig) -> tuple[str, int | None]:
+    """(model directory, policy step or None) named by `eval.model` or `eval.run` (+ `eval.step`)."""
+    e = cfg.eval
+    if (e.model is None) == (e.run is None):
+        raise ConfigError("eval.model", "give exactly one of eval.model=<model dir> or eval.run=<run dir>")
+    if e.model is not None:
+        path = Path(e.model).expanduser()
+        if not (path / "config.json").exists():
+            raise ConfigError("eval.model", f"{e.model} is not a Hugging Face model directory (no config.json)")
+        return str(path.resolve()), None
+    run = Path(e.run).expanduser()
+    step = e.step if e.step is not None else latest_stable_version(run)
+    if step is None:
+        raise ConfigError("eval.run", f"{e.run} has no published policy (no stable weights/step_*)")
+    if not is_stable(weights_path(run, step)):
+        raise ConfigError("eval.step", f"{weights_path(run, step)} is not a stable published policy")
+    return str(weights_path(run, step).resolve()), step
+
+
+def held_out_env(cfg: RunConfig) -> EnvConfig:
+    """The env with its `eval_args` (its held-out split) merged over its args; the env itself when it has none."""
+    if not cfg.env.eval_args:
+        log.warning(f"env {cfg.env.id} has no held-out split (env.eval_args): evaluating on its own tasks")
+        return cfg.env
+    return cfg.env.held_out()
+
+
+def evaluate(cfg: RunConfig, model_path: str) -> dict:
+    """Serve `model_path`, run the env's tasks, return the summary (also what `eval.json` holds)."""
+    from primerl.envs.verifiers_env import env_runner, load_env
+    from primerl.inference.server import VllmServer, check_supported, render_specs, resolve_device
+
+    e = cfg.eval
+    inf = dataclasses.replace(cfg.inference, port=cfg.inference.port or free_port())
+    env_cfg = held_out_env(cfg) if e.held_out else cfg.env
+    cfg = dataclasses.replace(cfg, inference=inf, env=env_cfg)
+    env = load_env(cfg.env)
+    tasks = list(itertools.islice(iter(env.taskset), e.num_tasks))
+    if len(tasks) < e.num_tasks:
+        log.warning(f"the env has {len(tasks)} tasks, fewer than eval.num_tasks={e.num_tasks}")
+    device = resolve_device(inf)
+    check_supported(inf, device)
+    # one server: the decode server with PD, the first with inference.replicas (one is enough to evaluate)
+    spec = render_specs(cfg, model_path, device)[-1 if inf.pd.enabled else 0]
+    logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
+    server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), vllm_scratch_prefix(cfg.output_dir))
+    with server.start(inf.startup_timeout_s):
+        runner = env_runner(
+            env,
+            model_path,
+            inf,
+            e.temperature,
+            e.max_tokens or cfg.orchestrator.max_tokens,
+            cfg.orchestrator.sampling_args,
+            spec.base_url,
+        )
+
+        async def main() -> list[TaskResult]:
+            with tqdm(total=len(tasks) * e.samples_per_task, desc="eval", dynamic_ncols=True) as bar:
+                async with env.serving():
+                    return await run_tasks(
+                        runner,
+                        tasks,
+                        e.samples_per_task,
+                        e.max_inflight,
+                        cfg.orchestrator.rollout_timeout_s,
+                        bar.update,
+                    )
+
+        started = time.perf_counter()
+        results = asyncio.run(main())
+        wall_s = time.perf_counter() - started
+    scores = summarize(results, e.k, e.success_threshold)
+    reasons = collections.Counter(reason for r in results for reason in r.failures)
+    return {
+        "model": model_path,
+        "env": cfg.env.id,
+        "env_args": dict(cfg.env.args),
+        "samples_per_task": e.samples_per_task,
+        "k": e.k,
+        "temperature": e.temperature,
+        "success_threshold": e.success_threshold,
+        "wall_s": wall_s,
+        **scores,
+        "failure_reasons": dict(reasons.most_common()),
+    }
+
+
+@hydra_app()
+def main(dict_cfg: DictConfig) -> None:
+    cfg = to_run_config(dict_cfg)
+    model_path, step = model_to_evaluate(cfg)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log.info(f"evaluating {model_path} on {cfg.env.id} ({cfg.eval.num_tasks} tasks x {cfg.eval.samples_per_task})")
+    summary = evaluate(cfg, model_path) | {"step": step}
+    write_json(eval_summary_path(out_dir), summary, indent=1)
+    k, env_id = cfg.eval.k, cfg.env.id
+    if "reward_mean" in summary:
+        log.info(
+            f"{env_id}: reward {summary['reward_mean']:.3f} ± {summary['reward_stderr']:.3f} over "
+            f"{summary['rollouts']:.0f} rollouts of {summary['tasks']:.0f} tasks; avg@{k} "
+            f"{summary.get(f'avg@{k}', float('nan')):.3f}, pass@{k} {summary.get(f'pass@{k}', float('nan')):.3f}; "
+            f"{summary['failures']:.0f} failed"
+        )
+    else:
+        log.error(f"{env_id}: every rollout failed: {summary['failure_reasons']}")
+    log.info(f"summary in {eval_summary_path(out_dir)}")
+    if cfg.ledger.enabled:
+        from primerl.ledger.mlflow_ledger import Ledger
+
+        ledger = Ledger.open(cfg, dict_cfg, out_dir.resolve(), kind="eval")
+        ledger.set_tags({"eval.model": model_path, "eval.env": env_id})
+        # MLflow metric names take no "@"
+        numbers = {key.replace("@", "_at_"): value for key, value in summary.items() if isinstance(value, int | float)}
+        ledger.log_metrics(step or 0, numbers, f"eval/{env_id}/")
+        ledger.log_artifact(eval_summary_path(out_dir))
+        ledger.finish()
+
+
+if __name__ == "__main__":
+    main()

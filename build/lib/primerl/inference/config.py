@@ -1,0 +1,72 @@
+"""Inference group: how the vLLM server is started."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from primerl.utils.bounds import bounded
+
+
+class Quantization(Enum):
+    none = "none"
+    fp8 = "fp8"
+
+
+class KvCacheDtype(Enum):
+    auto = "auto"
+    fp8 = "fp8"
+
+
+class PdRole(Enum):
+    both = "both"  # one server does prefill and decode
+    prefill = "prefill"
+    decode = "decode"
+
+
+@dataclass
+class PdConfig:
+    """Prefill/decode disaggregation: two vLLM servers joined by a KV connector."""
+
+    enabled: bool = False
+    kv_connector: str = "NixlConnector"
+    prefill_port: int = bounded(8100, ge=1, le=65535)
+    decode_port: int = bounded(8200, ge=1, le=65535)
+
+
+@dataclass
+class InferenceConfig:
+    name: str = "vllm"
+    host: str = "127.0.0.1"
+    port: int = bounded(8000, ge=0, le=65535)  # 0: a free port
+    # vLLM servers serving the same policy, replica i on port + i; the orchestrator spreads rollouts over them
+    # (primerl.orchestrator.replicas) and loads every new policy into all of them at once
+    replicas: int = bounded(1, ge=1)
+    api_key: str | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int = bounded(512, ge=2)
+    gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
+    cpu_kv_cache_gib: int = bounded(1, ge=1)
+    # CPU only: how long vLLM's worker busy-waits (sched_yield) for the next engine step before it sleeps on a
+    # socket; vLLM's own is 1 s. On a small machine that spin holds a core the trainer needs; 0.005 gives it back
+    # (measured: benchmarks/results.md, "Step profile"). None: vLLM's.
+    cpu_idle_spin_s: float | None = bounded(0.005, ge=0)
+    enforce_eager: bool = True
+    quantization: Quantization = Quantization.none
+    kv_cache_dtype: KvCacheDtype = KvCacheDtype.auto
+    pd: PdConfig = field(default_factory=PdConfig)
+    startup_timeout_s: float = bounded(600.0, gt=0)
+    extra_args: list[str] = field(default_factory=list)
+
+
+def replica_ports(inf: InferenceConfig) -> list[int]:
+    """The ports of the inference replicas, in replica order: consecutive from `inference.port`."""
+    return [inf.port + i for i in range(inf.replicas)]
+
+
+def served_ports(inf: InferenceConfig) -> list[int]:
+    """Every port the inference servers listen on: the replicas', or the prefill and decode servers' with PD."""
+    return [inf.pd.prefill_port, inf.pd.decode_port] if inf.pd.enabled else replica_ports(inf)
+
+
+def replica_urls(inf: InferenceConfig) -> list[str]:
+    """Base URLs of the inference replicas, in replica order."""
+    return [f"http://{inf.host}:{port}" for port in replica_ports(inf)]

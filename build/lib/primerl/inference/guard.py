@@ -1,0 +1,130 @@
+"""ASGI middleware in front of every route of a primerl vLLM server (`--middleware`): the key, and which routes exist.
+
+Why: primerl runs vLLM with `VLLM_SERVER_DEV_MODE=1` for in-place weight loads, which adds ~25 admin routes
+(`/collective_rpc` calls any worker method by name, `/sleep`, `/update_weights`, `/init_weight_transfer_engine`, ...).
+vLLM 0.32's own key check guards only paths under `/v1`, `/v2`, `/inference` and `/cohere`, so on a server started
+with a key those admin routes answered anyone who reached the port (seen on a real server: `/collective_rpc`,
+`/pause`, `/resume`, `/sleep` 200 without a key). This guard, outermost:
+
+1. answers 404 to every path outside `ALLOWED_PATHS` / `ALLOWED_PREFIXES`, key or not: the OpenAI and
+   token-in/token-out routes, probes, and only the admin routes primerl itself calls;
+2. when the server has a key (`VLLM_API_KEY`, which vLLM reads too), answers 401 to every request but `/health`
+   without `Authorization: Bearer <key>` (compared in constant time);
+3. lets `/collective_rpc` call only the methods of primerl's worker extension (`primerl_*`), 403 otherwise;
+4. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
+"""
+
+import hashlib
+import json
+import os
+import secrets
+
+from primerl.transport.identity import SERVER_ID_ENV, SERVER_ID_HEADER
+
+API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
+OPEN_PATHS = frozenset({"/health"})  # load balancers and the launcher probe it without a key
+ALLOWED_PATHS = frozenset(
+    {
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/collective_rpc",
+        "/pause",
+        "/resume",
+        "/is_paused",  # the admin routes primerl uses (orchestrator)
+    }
+)
+ALLOWED_PREFIXES = ("/v1/", "/inference/v1/")
+RPC_PATH = "/collective_rpc"
+RPC_METHOD_PREFIX = "primerl_"  # primerl.inference.worker_extension
+
+
+def route_allowed(path: str) -> bool:
+    return path in ALLOWED_PATHS or path.startswith(ALLOWED_PREFIXES)
+
+
+async def read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive):
+    """A `receive` that hands the app a body this middleware already read, then waits on the client as before
+    (vLLM watches for a disconnect to abort the request)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def reply(scope, send, status: int, error: str) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008, "reason": error})
+        return
+    body = json.dumps({"error": error}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class InferenceGuard:
+    def __init__(self, app):
+        self.app = app
+        key = os.environ.get(API_KEY_ENV) or None
+        self.key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        identity = os.environ.get(SERVER_ID_ENV)
+        self.identity_header = (SERVER_ID_HEADER.encode(), identity.encode()) if identity else None
+
+    def marked(self, send):
+        """`send` with the server id added to the response's headers."""
+        if self.identity_header is None:
+            return send
+
+        async def marked_send(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.identity_header]}
+            await send(message)
+
+        return marked_send
+
+    def authorized(self, scope) -> bool:
+        if self.key_digest is None:
+            return True
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self.key_digest)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        send = self.marked(send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if not route_allowed(path):
+            return await reply(scope, send, 404, "Not Found")
+        if path not in OPEN_PATHS and not self.authorized(scope):
+            return await reply(scope, send, 401, "Unauthorized")
+        if path == RPC_PATH and scope["type"] == "http":
+            body = await read_body(receive)
+            try:
+                method = json.loads(body).get("method")
+            except (ValueError, AttributeError):
+                method = None
+            if not (isinstance(method, str) and method.startswith(RPC_METHOD_PREFIX)):
+                return await reply(scope, send, 403, f"only {RPC_METHOD_PREFIX}* methods may be called")
+            receive = replay(body, receive)
+        return await self.app(scope, receive, send)

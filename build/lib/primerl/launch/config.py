@@ -1,0 +1,43 @@
+"""Launcher group: where the processes of a run go."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from primerl.utils.bounds import bounded
+
+# The roles of a run's SLURM jobs (primerl/launch/slurm.py names inference jobs after the first `inference-<j>`); the
+# keys `launcher.sbatch` accepts.
+JOB_ROLES = ("trainer", "inference", "orchestrator", "sft")
+
+
+def job_role(job_name: str) -> str:
+    return job_name.split("-")[0]
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | slurm
+    # The trainer's ranks: trainer_nodes x trainer_tasks_per_node (local: nodes must be 1; torchrun on this machine).
+    trainer_nodes: int = bounded(1, ge=1)
+    trainer_tasks_per_node: int = bounded(1, ge=1)
+    # local: OMP/torch threads per trainer rank. None: on CPU the cores vLLM does not pin (cores - 1), on GPU torch's
+    # default. benchmarks/step_profile.py measures the trade: more threads, more contention with vLLM.
+    trainer_threads: int | None = bounded(None, ge=1)
+    # SLURM only (primerl/launch/slurm.py): one job each for inference, orchestrator and trainer (and SFT if needed).
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit_min: int = bounded(60, ge=1)
+    trainer_gpus: int = bounded(0, ge=0)  # per node
+    inference_gpus: int = bounded(0, ge=0)  # per inference job
+    # the inference.replicas are served by this many jobs, on any nodes, inference.replicas / inference_jobs each
+    inference_jobs: int = bounded(1, ge=1)
+    cpus_per_task: int = bounded(2, ge=1)
+    signal_delay_s: int = bounded(90, ge=0)  # SLURM signals a job this long before its time limit: it requeues itself
+    max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
+    # more sbatch options per job role (trainer, inference, orchestrator, sft), as `--key=value` (`true`: a bare flag):
+    # placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`, `...trainer.exclusive=true`,
+    # `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run gets the same options.
+    sbatch: dict[str, dict[str, Any]] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)  # shell lines run first in every job (module load, ...)
+    poll_s: float = bounded(5.0, gt=0)  # how often the driver asks SLURM for job states

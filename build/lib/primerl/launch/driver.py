@@ -1,0 +1,127 @@
+"""The driver of a run (`python -m primerl.train`): one per run directory. It checks what can be checked before any
+process starts (envs, SFT demonstrations, the parallel layout, ports), opens the run's MLflow record, runs the
+topology through the launcher (primerl.launch.supervise) and closes the record with the run's status.
+"""
+
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from primerl.config.schema import RunConfig
+from primerl.launch.children import ChildFailed
+from primerl.launch.leftovers import claim_run_dir, clear_leftovers
+from primerl.launch.supervise import run_topology
+from primerl.utils.errors import ConfigError
+from primerl.utils.log import get_logger
+
+log = get_logger("train")
+
+
+def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
+    """The whole run; returns its final reward (what a Hydra sweeper optimises). Exits 1 when a process failed and
+    130 on Ctrl-C, every process stopped."""
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("output_dir=")]
+    ledger, status = None, "FAILED"
+    run_dir = Path(cfg.output_dir).resolve()
+    driver_lock = claim_run_dir(run_dir)  # one driver per run directory
+    try:
+        if cfg.launcher.name == "local":
+            clear_leftovers(run_dir)  # what a driver killed -9 left: processes, temporaries
+        preflight(cfg)
+        ledger = open_ledger(cfg, dict_cfg, hydra_cfg) if cfg.ledger.enabled else None
+        run_topology(cfg, overrides, make_launcher(cfg), ledger)
+        status = "FINISHED"
+    except ChildFailed as err:
+        log.error(str(err))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        log.error("interrupted; all processes stopped")
+        sys.exit(130)
+    finally:
+        if ledger is not None:
+            ledger.finish(status)
+        driver_lock.close()
+    return final_reward(cfg)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Fail with one ConfigError before any process starts: an unknown env id or bad env args, a bad SFT dataset row
+    or generator options, a parallel layout the launcher cannot place, a port something else listens on."""
+    from primerl.config.validate import resolve_dp_shard
+    from primerl.envs.verifiers_env import load_env
+    from primerl.model.start import sft_applies
+
+    load_env(cfg.env)
+    for i, entry in enumerate(cfg.mixture):
+        try:
+            load_env(entry)
+        except ConfigError as err:
+            raise ConfigError(f"mixture[{i}].{err.key.removeprefix('env.')}", err.message) from None
+    if sft_applies(cfg):
+        from primerl.sft.source import check_demonstrations
+
+        check_demonstrations(cfg)
+    resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
+    if cfg.launcher.name == "local":
+        refuse_taken_ports(cfg)
+
+
+def open_ledger(cfg: RunConfig, dict_cfg: DictConfig, hydra_cfg):
+    """Start (or resume) the run's MLflow record, a sweep job's as a child of the sweep's run."""
+    from primerl.ledger.mlflow_ledger import Ledger
+
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    ledger = Ledger.open(
+        cfg,
+        dict_cfg,
+        Path(cfg.output_dir).resolve(),
+        sweep_dir=Path(hydra_cfg.sweep.dir).resolve() if multirun else None,
+        job_num=hydra_cfg.job.num if multirun else None,
+    )
+    log.info(f"ledger run {ledger.run_id} in {ledger.client.tracking_uri}")
+    if ledger.url():
+        log.info(f"ledger run page: {ledger.url()}")
+    if cfg.ledger.system_metrics_s > 0:
+        ledger.start_system_metrics(cfg.ledger.system_metrics_s)
+    return ledger
+
+
+def make_launcher(cfg):
+    run_dir = Path(cfg.output_dir).resolve()
+    if cfg.launcher.name == "slurm":
+        from primerl.launch.slurm import SlurmLauncher
+
+        return SlurmLauncher(cfg, run_dir)
+    from primerl.launch.local import LocalLauncher
+
+    return LocalLauncher(cfg, run_dir)
+
+
+def final_reward(cfg) -> float | None:
+    """The mean reward of the last step: what a Hydra sweeper (e.g. Optuna) optimises."""
+    from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, read_metrics
+
+    reward = OrchestratorMetric.REWARD_MEAN
+    rows = [r for r in read_metrics(cfg.output_dir, ORCHESTRATOR) if r.get(reward) is not None]
+    return rows[-1][reward] if rows else None
+
+
+def refuse_taken_ports(cfg: RunConfig) -> None:
+    """A port the servers would listen on that something already listens on (another run started with the same
+    settings) is a config error now, not a vLLM that fails to bind after its start while the other run's server
+    answers in its place."""
+    from primerl.inference.config import served_ports
+    from primerl.inference.server import port_in_use
+    from primerl.utils.process import port_taken
+
+    inf = cfg.inference
+    if inf.port == 0 and not inf.pd.enabled:
+        return  # the launcher picks free ports
+    for port in served_ports(inf):
+        if port_taken(inf.host, port):
+            raise ConfigError("inference.pd" if inf.pd.enabled else "inference.port", port_in_use(inf.host, port))

@@ -1,0 +1,101 @@
+"""One driver per run directory, and a clean slate for a rerun after a driver died without cleaning up.
+
+- The lock: `<run>/driver.lock`, flock'ed by the driver for its whole life. The kernel releases it when the driver
+  exits however it exits (kill -9 included), so holding it proves no other driver runs on this directory.
+- Leftover processes: the run's children get SIGTERM when their driver dies (primerl.utils.parent_death) and are
+  normally gone within seconds; any still alive when the next driver holds the lock (its command line holds
+  `output_dir=<run>`, or its environment this run's weights dir, as vLLM's engine does) are waited for, then killed.
+- Leftover files: dot-named temporaries of atomic writes under the run directory (transport.atomic) and the
+  scratch dirs of this run's vLLM servers.
+"""
+
+import fcntl
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import IO
+
+from primerl.transport.atomic import stale_temporaries
+from primerl.transport.run_dir import driver_lock_path, vllm_scratch_prefix, weights_root
+from primerl.transport.weights import WEIGHTS_DIR_ENV
+from primerl.utils.errors import RunError
+from primerl.utils.log import get_logger
+from primerl.utils.wait import WaitTimeout, wait_until
+
+log = get_logger("train")
+
+
+def claim_run_dir(run_dir: Path) -> IO:
+    """Take the run directory's driver lock (keep the returned file open for the driver's life), or raise RunError
+    naming the driver that holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(driver_lock_path(run_dir), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RunError(f"another driver (pid {holder}) is running on {run_dir}; stop it first") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Live processes of this run other than this one and its ancestors."""
+    run = str(run_dir.resolve())
+    argv_mark = f"output_dir={run}".encode()
+    env_mark = f"{WEIGHTS_DIR_ENV}={weights_root(run)}".encode()
+    mine = {os.getpid(), os.getppid()}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        argv = _read(f"/proc/{entry}/cmdline").split(b"\0")
+        environ = _read(f"/proc/{entry}/environ").split(b"\0")
+        if any(a == argv_mark or a.startswith(argv_mark + b"/") for a in argv) or env_mark in environ:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(b")", 1)[-1].split()[0] != b"Z"
+
+
+def clear_leftovers(run_dir: Path, grace_s: float = 20.0) -> None:
+    """With the lock held: stop what a dead driver left running, and remove the temporaries it left."""
+    pids = [p for p in run_processes(run_dir) if _alive(p)]
+    if pids:
+        log.warning(f"{len(pids)} process(es) of a previous driver of this run still alive ({pids}); stopping them")
+        try:
+            wait_until(lambda: not any(_alive(p) for p in pids), "the previous driver's processes to stop", grace_s)
+        except WaitTimeout:
+            for pid in pids:
+                if _alive(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            wait_until(lambda: not any(_alive(p) for p in pids), "the killed processes to go", poll_s=0.1)
+    stale = stale_temporaries(run_dir) + sorted(Path(tempfile.gettempdir()).glob(vllm_scratch_prefix(run_dir) + "*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    if stale:
+        log.warning(
+            f"removed {len(stale)} temporary file(s) a previous driver of this run left: "
+            f"{', '.join(p.name for p in stale[:5])}{' ...' if len(stale) > 5 else ''}"
+        )

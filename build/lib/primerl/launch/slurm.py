@@ -1,0 +1,249 @@
+"""Run the RL topology as SLURM jobs through submitit: inference, orchestrator and trainer (SFT first when needed).
+
+Invariants:
+- A job runs the same process command as the local launcher and logs to the same `<run>/logs/<name>.log`
+  (the trainer's rank r > 0 to `trainer-rank<r>.log`); submitit's own files are in `<run>/slurm/<job id>/`.
+- The inference job writes its address to `<run>/inference_address.json` (with its job id) once it knows its node and
+  port; the orchestrator job waits for the address of *its* inference job and is given it as overrides. A wildcard
+  `inference.host` (0.0.0.0) is advertised as the node's name (SLURMD_NODENAME, else its host name);
+  `inference.port=0` takes a free port on the node.
+  `inference.replicas=N`: `launcher.inference_jobs=J` jobs (on any nodes) serve N/J each, on consecutive ports from
+  the port each advertises; job j > 0 advertises in its own file (`inference_address_path(run, j)`), and the
+  orchestrator waits for all of them.
+- The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
+  no torchrun inside a job.
+- A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
+  other jobs, and the driver exits 1 naming the job, its state and its last log lines.
+- SLURM signals a job `launcher.signal_delay_s` before its time limit, or on preemption: the job stops its process
+  and requeues itself (submitit's Checkpointable). The processes resume from their last checkpoint and batch.
+"""
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import submitit
+
+from primerl.config.schema import RunConfig
+from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
+from primerl.launch.config import job_role
+from primerl.transport.address import read_address, write_address
+from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
+from primerl.utils.log import get_logger
+from primerl.utils.process import free_port
+from primerl.utils.wait import WaitTimeout, wait_until
+
+log = get_logger("train")
+
+# States a job can be in while it still may finish well (a requeued job passes through PENDING/REQUEUED again).
+LIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "PREEMPTED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "UNKNOWN",
+}
+WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+_running: subprocess.Popen | None = None  # the process of this job, for `checkpoint` to stop
+
+
+@dataclass
+class ModuleJob(submitit.helpers.Checkpointable):
+    """One process of the run as the body of a SLURM job (every task of the job runs it)."""
+
+    name: str  # a JOB_ROLES role, inference-<j> for inference jobs j > 0
+    module: str
+    overrides: list[str]
+    run_dir: str
+    inference_host: str = "127.0.0.1"
+    inference_port: int = 0
+    inference_replicas: int = 1  # served by this one job, on consecutive ports from its address's port
+    inference_index: int = 0  # inference: which of launcher.inference_jobs this job is
+    inference_job_ids: list[str] = field(default_factory=list)  # orchestrator: whose addresses to wait for
+    wait_s: float = 600.0
+
+    def __call__(self) -> None:
+        global _running
+        overrides = [*self.overrides, *self._address_overrides()]
+        run_dir = sft_run_dir(self.run_dir) if self.name == "sft" else Path(self.run_dir)
+        log = log_path(self.run_dir, self.name)
+        if int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # sets RANK, WORLD_SIZE, MASTER_ADDR, ... in os.environ
+            dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            if dist.rank > 0:
+                log = log.with_name(f"{self.name}-rank{dist.rank}.log")
+        env = child_env(threads=int(os.environ.get("SLURM_CPUS_PER_TASK", "0")) or None)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            _running = subprocess.Popen(
+                module_command(self.module, overrides, run_dir), stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+        # polled, not wait()ed: `checkpoint` runs as a signal handler and must be able to wait for the process itself
+        wait_until(lambda: _running.poll() is not None, f"{self.name} to exit", poll_s=1.0)
+        if (code := _running.returncode) != 0:
+            raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
+
+    def _address_overrides(self) -> list[str]:
+        if self.module == "primerl.inference":
+            port = self.inference_port or free_port(count=self.inference_replicas)
+            host = self.inference_host
+            if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
+                host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
+            write_address(self.run_dir, self.inference_index, host, port, _job_id())
+            # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
+            return [
+                f"inference.port={port}",
+                f"inference.replicas={self.inference_replicas}",
+                "launcher.inference_jobs=1",
+            ]
+        if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
+            found = [
+                _wait_for_address(self.run_dir, index, job_id, self.wait_s)
+                for index, job_id in enumerate(self.inference_job_ids)
+            ]
+            return [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
+        return []
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        """Time limit near, or preempted: stop the process (it checkpoints every step) and requeue this job."""
+        if _running is not None and _running.poll() is None:
+            _running.terminate()
+            try:
+                _running.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _running.kill()
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def _job_id() -> str:
+    return os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID", ""))
+
+
+def _wait_for_address(run_dir: Path, index: int, job_id: str | None, wait_s: float) -> dict:
+    def found() -> dict | None:
+        address = read_address(run_dir, index)
+        return address if address is not None and job_id in (None, address["job_id"]) else None
+
+    what = f"the address of inference job {job_id} in {inference_address_path(run_dir, index)}"
+    try:
+        return wait_until(found, what, wait_s, poll_s=1.0, note_every_s=60)
+    except WaitTimeout as err:
+        raise RuntimeError(f"no address from inference job {job_id}: {err}") from None
+
+
+@dataclass
+class SlurmLauncher:
+    cfg: RunConfig
+    run_dir: Path
+    jobs: dict[str, submitit.Job] = field(default_factory=dict)
+
+    @property
+    def poll_s(self) -> float:
+        return self.cfg.launcher.poll_s
+
+    def _submit(
+        self, name: str, module: str, overrides: list[str], nodes: int = 1, tasks: int = 1, gpus: int = 0, **job_args
+    ) -> submitit.Job:
+        lc = self.cfg.launcher
+        executor = submitit.SlurmExecutor(folder=self.run_dir / "slurm" / "%j", max_num_timeout=lc.max_requeues)
+        executor.update_parameters(
+            job_name=f"{self.cfg.name}-{name}",
+            partition=lc.partition,
+            account=lc.account,
+            qos=lc.qos,
+            time=lc.time_limit_min,
+            nodes=nodes,
+            ntasks_per_node=tasks,
+            cpus_per_task=lc.cpus_per_task,
+            gpus_per_node=gpus or None,
+            signal_delay_s=lc.signal_delay_s,
+            setup=list(lc.setup),
+            additional_parameters=dict(lc.sbatch.get(job_role(name), {})),
+        )
+        job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
+        self.jobs[name] = job
+        log.info(f"{name} is SLURM job {job.job_id}")
+        return job
+
+    def _trainer_placement(self) -> dict:
+        lc = self.cfg.launcher
+        return {"nodes": lc.trainer_nodes, "tasks": lc.trainer_tasks_per_node, "gpus": lc.trainer_gpus}
+
+    def run_sft(self, overrides: list[str]) -> None:
+        self._submit("sft", "primerl.sft", overrides, **self._trainer_placement())
+
+        def ended() -> bool:
+            self._refresh()
+            return self._ended_well("sft")
+
+        wait_until(ended, "the SFT job", poll_s=self.poll_s)
+
+    @property
+    def inference_names(self) -> list[str]:
+        """The inference jobs: `inference`, then `inference-1` ... (launcher.inference_jobs)."""
+        return ["inference" if j == 0 else f"inference-{j}" for j in range(self.cfg.launcher.inference_jobs)]
+
+    def start(self, overrides: list[str]) -> None:
+        inf, jobs = self.cfg.inference, self.cfg.launcher.inference_jobs
+        ids = []
+        for index, name in enumerate(self.inference_names):
+            inference_address_path(self.run_dir, index).unlink(missing_ok=True)  # an earlier attempt's server is gone
+            job = self._submit(
+                name,
+                "primerl.inference",
+                overrides,
+                gpus=self.cfg.launcher.inference_gpus,
+                inference_host=inf.host,
+                inference_port=inf.port,
+                inference_replicas=inf.replicas // jobs,
+                inference_index=index,
+            )
+            ids.append(job.job_id)
+        self._submit(
+            "orchestrator",
+            "primerl.orchestrator",
+            overrides,
+            inference_job_ids=ids,
+            wait_s=inf.startup_timeout_s + 3600,
+        )  # the inference job may queue first
+        self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())
+
+    def _ended_well(self, name: str) -> bool:
+        """True when the job COMPLETED; raise ChildFailed when it ended any other way."""
+        job = self.jobs[name]
+        state = job.state.split(" ")[0]  # e.g. "CANCELLED by 0"
+        if state == "COMPLETED":
+            return True
+        if state in LIVE_STATES:
+            return False
+        log = log_path(self.run_dir, name)
+        raise ChildFailed(f"{name} (SLURM job {job.job_id}) ended {job.state}; last lines of {log}:\n{log_tail(log)}")
+
+    @staticmethod
+    def _refresh() -> None:
+        """One sacct call for all jobs: submitit's own refresh slows down to one every several minutes."""
+        submitit.SlurmJob.watcher.update()
+
+    def finished(self) -> bool:
+        self._refresh()
+        done = all([self._ended_well(name) for name in ("trainer", "orchestrator")])  # a list: check both
+        for name in self.inference_names:
+            if not done and self._ended_well(name):
+                raise ChildFailed(f"{name} (SLURM job {self.jobs[name].job_id}) ended before the run did")
+        return done
+
+    def stop_all(self) -> None:
+        for name, job in self.jobs.items():
+            if job.state.split(" ")[0] in LIVE_STATES:
+                job.cancel(check=False)
+                log.info(f"cancelled {name} (SLURM job {job.job_id})")

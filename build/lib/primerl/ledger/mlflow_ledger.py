@@ -1,0 +1,210 @@
+"""The MLflow record of a run: one writer (the launching process), explicit ids, no global MLflow state.
+
+- Store: `ledger.tracking_uri`, else an embedded sqlite store `<store_dir>/mlflow.db` (artifacts beside it).
+- Experiment: created once by name; a concurrent creator losing the race re-reads it (facts.md: never rely on
+  `set_experiment` from several processes).
+- Run: params = the flattened resolved config; tags = seeds, hardware, versions, git, launcher, SLURM ids, and
+  MLflow's own (`mlflow.source.*`, `mlflow.user`, a description in `mlflow.note.content`); artifacts
+  `config/resolved.yaml` (no interpolation left) and `config/composed.yaml` (as Hydra composed it).
+  `<run>/ledger.json` keeps the MLflow run id, so a resumed run continues the same MLflow run.
+- System metrics: MLflow's own monitor (`system/...`: CPU, memory, disk, network, GPU where present), sampled in the
+  launching process every `ledger.system_metrics_s`.
+- Sweeps: a parent run per Hydra sweep directory, created once under a file lock; each job is its child.
+"""
+
+import getpass
+import json
+import math
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from primerl.config.schema import RunConfig
+from primerl.ledger.sweep import sweep_parent
+from primerl.ledger.system_info import system_tags
+from primerl.transport.atomic import write_json
+from primerl.transport.run_dir import ledger_record_path
+from primerl.utils.locks import locked
+
+MAX_PARAM_CHARS = 6000
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    if cfg.ledger.tracking_uri:
+        return cfg.ledger.tracking_uri
+    store = Path(cfg.ledger.store_dir).resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def flatten(tree: object, prefix: str = "") -> dict[str, str]:
+    if isinstance(tree, dict):
+        out: dict[str, str] = {}
+        for key, value in tree.items():
+            out |= flatten(value, f"{prefix}{key}.")
+        return out if out or not prefix else {prefix[:-1]: "{}"}
+    return {prefix[:-1]: str(tree)[:MAX_PARAM_CHARS]}
+
+
+def _experiment_id(client: MlflowClient, name: str, store_dir: Path | None) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        artifacts = (store_dir / "mlartifacts" / name).as_uri() if store_dir else None
+        return client.create_experiment(name, artifact_location=artifacts)
+    except Exception:  # noqa: BLE001 - another process created it first
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def description(cfg: RunConfig, kind: str) -> str:
+    """The run's one-paragraph summary in MLflow's Description field."""
+    model = cfg.model.hub_id or cfg.model.path or f"{cfg.model.source.value} (built here)"
+    if kind == "sft":
+        return f"{cfg.name}: SFT warm-start of {model}, {cfg.sft.steps} steps of {cfg.sft.batch_size} on {cfg.env.id}."
+    if kind == "eval":
+        e = cfg.eval
+        return (
+            f"{cfg.name}: evaluation of {e.model or f'{e.run} step {e.step}'} on env {cfg.env.id}, "
+            f"{e.num_tasks} tasks x {e.samples_per_task} rollouts at temperature {e.temperature}."
+        )
+    o = cfg.orchestrator
+    envs = " + ".join(f"{e.id} ({e.weight:g})" for e in cfg.mixture) if cfg.mixture else cfg.env.id
+    return (
+        f"{cfg.name}: RL on env {envs} with model {model}, {cfg.trainer.max_steps} steps of "
+        f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
+        f"async_level {o.async_level}, launcher {cfg.launcher.name}."
+    )
+
+
+def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
+    """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
+    return {
+        "mlflow.source.name": f"python -m primerl.{kind} " + " ".join(sys.argv[1:])[:400],
+        "mlflow.source.type": "LOCAL",
+        "mlflow.source.git.commit": git_commit,
+        "mlflow.user": getpass.getuser(),
+        "mlflow.note.content": description(cfg, kind),
+    }
+
+
+class Ledger:
+    def __init__(self, client: MlflowClient, run_id: str, run_dir: Path, experiment_id: str = ""):
+        self.client = client
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.experiment_id = experiment_id
+        self._system_metrics = None
+
+    @classmethod
+    def open(
+        cls,
+        cfg: RunConfig,
+        resolved: DictConfig,
+        run_dir: Path,
+        kind: str = "train",
+        sweep_dir: Path | None = None,
+        job_num: int | None = None,
+    ) -> "Ledger":
+        """Start (or, when `<run_dir>/ledger.json` exists, resume) this run's MLflow run."""
+        store_dir = None if cfg.ledger.tracking_uri else Path(cfg.ledger.store_dir).resolve()
+        # the first user of a new embedded store creates its tables; sweep jobs start together: one at a time
+        with locked(store_dir / "mlflow.db") if store_dir else nullcontext():
+            client = MlflowClient(tracking_uri(cfg))
+            experiment = _experiment_id(client, cfg.ledger.experiment_name, store_dir)
+        record = ledger_record_path(run_dir)
+        if record.exists():
+            run_id = json.loads(record.read_text())["run_id"]
+            client.update_run(run_id, status="RUNNING")
+            ledger = cls(client, run_id, run_dir, experiment)
+            ledger._log_config(resolved)
+            return ledger
+        tags = {
+            "primerl.kind": kind,
+            "primerl.run_dir": str(run_dir),
+            "seed": str(cfg.seed),
+            "model.init_seed": str(cfg.model.init_seed),
+            "launcher": cfg.launcher.name,
+            **system_tags(),
+        }
+        tags |= standard_tags(cfg, kind, tags["git.commit"])
+        if sweep_dir is not None:
+            tags["mlflow.parentRunId"] = sweep_parent(client, experiment, sweep_dir)
+            tags["primerl.sweep_dir"] = str(sweep_dir)
+            tags["primerl.job_num"] = str(job_num)
+        name = run_dir.name if sweep_dir is None else f"{sweep_dir.name}-{job_num}"
+        run = client.create_run(experiment, run_name=f"{cfg.name}-{name}", tags=tags)
+        ledger = cls(client, run.info.run_id, run_dir, experiment)
+        params = flatten(OmegaConf.to_container(resolved, resolve=True))
+        items = [Param(k[:250], v) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            client.log_batch(ledger.run_id, params=items[i : i + 100])
+        write_json(record, {"run_id": ledger.run_id, "tracking_uri": tracking_uri(cfg), "experiment_id": experiment})
+        ledger._log_config(resolved)
+        return ledger
+
+    def _log_config(self, composed: DictConfig) -> None:
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(composed, resolve=True), "config/resolved.yaml")
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(composed), "config/composed.yaml")
+
+    def start_system_metrics(self, interval_s: float) -> None:
+        """MLflow's system-metrics monitor for this run, continuing the steps of a resumed run; stopped by finish."""
+        import logging
+
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines, in its own format
+
+        self._system_metrics = SystemMetricsMonitor(
+            self.run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=self.client.tracking_uri
+        )
+        self._system_metrics.start()
+
+    def log_metrics(
+        self, step: int, values: dict[str, float | None], prefix: str = "", timestamp_ms: int | None = None
+    ) -> None:
+        import time
+
+        ts = timestamp_ms or int(time.time() * 1000)
+        metrics = [
+            Metric(f"{prefix}{k}", float(v), ts, step)
+            for k, v in values.items()
+            if isinstance(v, int | float) and math.isfinite(v)
+        ]
+        for i in range(0, len(metrics), 500):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 500])
+
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params are write-once in MLflow: keys this run already has are left as they are (a resumed run logs the
+        same SFT results again)."""
+        known = self.client.get_run(self.run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in known]
+        if new:
+            self.client.log_batch(self.run_id, params=new)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        if path.exists():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self._system_metrics is not None:
+            self._system_metrics.finish()
+            self._system_metrics = None
+        self.client.set_terminated(self.run_id, status=status)
+
+    def url(self) -> str | None:
+        """The run's page in the MLflow UI, when the store is a tracking server."""
+        uri = self.client.tracking_uri
+        if not uri.startswith(("http://", "https://")):
+            return None
+        return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"

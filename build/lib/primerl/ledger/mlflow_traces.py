@@ -1,0 +1,92 @@
+"""Sampled rollouts as MLflow traces: what a user opens in the run's Traces tab to read an episode.
+
+One trace per rollout row of `rollouts/samples.jsonl` (the sink's examples): the root span (AGENT) holds the task,
+prompt, final answer, reward, per-function rewards, env metrics and the policy versions that generated it; a child
+span per model call (LLM: the messages new since the previous reply in, the reply and its tool calls out, timed
+from request to response) and per tool result (TOOL: from the reply that asked for it to its arrival). Times are
+the ones verifiers recorded (primerl.envs.trace_text.transcript).
+
+MLflow's trace exporter writes to the process-wide tracking URI, not the client's: `log_rollout_trace` points it at
+the ledger's store, and logging is synchronous, so a trace is stored when the call returns (exactly-once bookkeeping
+in primerl.ledger.follower.MetricsFollower relies on that).
+"""
+
+import os
+import time
+
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
+
+import mlflow  # noqa: E402 - after the setting above, which mlflow reads when its exporter starts
+from mlflow import MlflowClient  # noqa: E402
+
+
+def _ns(seconds: float | None) -> int | None:
+    return int(seconds * 1e9) if seconds else None
+
+
+def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict) -> str:
+    """Store one sampled rollout (a samples.jsonl row) as a trace of run `run_id`; returns its trace id."""
+    mlflow.set_tracking_uri(client.tracking_uri)
+    messages = row.get("messages") or []
+    first_version, last_version = (row.get("policy_versions") or [None, None])[:2]
+    starts = [m["start"] for m in messages if m.get("start")] + [m["end"] for m in messages if m.get("end")]
+    begin, finish = (min(starts), max(starts)) if starts else (time.time(), time.time())
+    attributes = {
+        "step": row["step"],
+        "task": row.get("task", ""),
+        "reward": row.get("reward"),
+        "policy_version.first": first_version,
+        "policy_version.last": last_version,
+        **{f"reward.{k}": v for k, v in (row.get("rewards") or {}).items()},
+        **{f"metric.{k}": v for k, v in (row.get("metrics") or {}).items()},
+    }
+    root = client.start_trace(
+        "rollout",
+        span_type="AGENT",
+        experiment_id=experiment_id,
+        run_id=run_id,
+        inputs={"task": row.get("task", ""), "prompt": row.get("prompt", "")},
+        attributes=attributes,
+        start_time_ns=_ns(begin),
+        tags={"primerl.step": str(row["step"]), "primerl.task": str(row.get("task", ""))},
+    )
+    since_reply: list[dict] = []
+    previous_end = begin
+    turn = 0
+    for message in messages:
+        if message["role"] == "assistant":
+            turn += 1
+            span = client.start_span(
+                f"turn {turn}",
+                root.trace_id,
+                root.span_id,
+                span_type="LLM",
+                inputs={"messages": since_reply},
+                attributes={"finish_reason": message.get("finish_reason")},
+                start_time_ns=_ns(message.get("start") or previous_end),
+            )
+            client.end_span(
+                root.trace_id,
+                span.span_id,
+                end_time_ns=_ns(message.get("end")),
+                outputs={"content": message["content"], "tool_calls": message.get("tool_calls", [])},
+            )
+            since_reply, previous_end = [], message.get("end") or previous_end
+            continue
+        if message["role"] == "tool":
+            span = client.start_span(
+                f"tool {message.get('tool_call_id', '')}".strip(),
+                root.trace_id,
+                root.span_id,
+                span_type="TOOL",
+                start_time_ns=_ns(previous_end),
+            )
+            client.end_span(
+                root.trace_id,
+                span.span_id,
+                outputs={"content": message["content"]},
+                end_time_ns=_ns(message.get("end")),
+            )
+        since_reply.append({"role": message["role"], "content": message["content"]})
+    client.end_trace(root.trace_id, outputs={"completion": row.get("completion", "")}, end_time_ns=_ns(finish))
+    return root.trace_id

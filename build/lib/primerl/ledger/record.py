@@ -1,0 +1,59 @@
+"""What the launching process records for a run, on top of the live metrics: SFT results, artifacts, checkpoints."""
+
+import json
+from pathlib import Path
+
+from primerl.config.schema import RunConfig
+from primerl.ledger.mlflow_ledger import Ledger
+from primerl.metrics import EVAL, ORCHESTRATOR, OrchestratorMetric, read_metrics
+from primerl.plot import plot_curves
+from primerl.transport.run_dir import reward_plot_path, samples_path, weights_path
+from primerl.transport.weights import latest_stable_version
+
+SFT_RESULTS = ("loss_final", "train_wall_s")
+
+
+def record_sft(ledger: Ledger, metrics_file: Path) -> None:
+    """The SFT loss curve as metric `sft/loss` by SFT step; its single-valued results as params `sft.result.*`
+    (one value per run, not a one-point curve on another step scale)."""
+    if not metrics_file.exists():
+        return
+    sft = json.loads(metrics_file.read_text())
+    for step, loss in enumerate(sft.get("losses", [])):
+        ledger.log_metrics(step, {"loss": loss}, "sft/")
+    ledger.log_params({f"sft.result.{k}": f"{sft[k]:.4g}" for k in SFT_RESULTS if k in sft})
+    ledger.set_tags({"checkpoint.sft": sft.get("checkpoint", "")})
+
+
+def reward_plot(run_dir: Path, title: str) -> Path | None:
+    """The training reward per step, and each online eval's mean reward at the policy versions it scored."""
+    reward = OrchestratorMetric.REWARD_MEAN
+    points = [(r["step"], r[reward]) for r in read_metrics(run_dir, ORCHESTRATOR) if r.get(reward) is not None]
+    if not points:
+        return None
+    curves = {reward: points}
+    for row in read_metrics(run_dir, EVAL):
+        for key, value in row.items():
+            if key.endswith("/reward_mean") and value is not None:
+                curves.setdefault(f"eval {key.removesuffix('/reward_mean')}", []).append((row["step"], value))
+    return plot_curves(curves, reward_plot_path(run_dir), title=title)
+
+
+def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
+    """The overrides, the reward plot, sample rollouts every `ledger.sample_every` steps, checkpoint paths."""
+    ledger.log_artifact(run_dir / ".hydra" / "overrides.yaml", "config")
+    plot = reward_plot(run_dir, f"{cfg.name}: mean reward per step")
+    if plot is not None:
+        ledger.log_artifact(plot)
+    samples_file = samples_path(run_dir)
+    if samples_file.exists():
+        by_step: dict[int, list[dict]] = {}
+        for line in samples_file.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).append(row)
+        for step, rows in sorted(by_step.items()):
+            if step % max(1, cfg.ledger.sample_every) == 0 or step == max(by_step):
+                ledger.client.log_text(ledger.run_id, json.dumps(rows, indent=1), f"samples/step_{step:06d}.json")
+    latest = latest_stable_version(run_dir)
+    if latest is not None:
+        ledger.set_tags({"checkpoint.final": str(weights_path(run_dir, latest)), "checkpoint.final_step": str(latest)})

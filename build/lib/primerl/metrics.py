@@ -1,0 +1,100 @@
+"""Append-only JSONL metrics, one line per step, written by each process and read by the launcher and ledger; and the
+names of the metrics that other processes read, defined once (the ledger logs every key, prefixed by its process).
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+from primerl.transport.run_dir import metrics_path
+
+ORCHESTRATOR, TRAINER = "orchestrator", "trainer"  # the processes that write metrics/<process>.jsonl
+EVAL = "eval"  # the orchestrator's online evals (primerl.orchestrator.online_eval): one row per evaluated policy
+
+
+class OrchestratorMetric:
+    """Keys of a row of metrics/orchestrator.jsonl: one row per batch cut (step)."""
+
+    REWARD_MEAN = "reward/mean"  # over the batch's samples; reward/<fn> per reward function when there are several
+    ROLLOUTS_OK = "rollouts/ok"  # rollouts finished with a usable trace since the previous cut
+    ROLLOUTS_FAILED = "rollouts/failed"  # ... failed (env error, timeout, non-finite reward, dead server)
+    ROLLOUTS_CANCELLED = "rollouts/cancelled"  # ... in groups cancelled as too stale (or at shutdown)
+    OFF_POLICY_MEAN = "off_policy/mean"  # lag of the batch's samples: step - oldest policy version, in versions
+    OFF_POLICY_MAX = "off_policy/max"
+    OFF_POLICY_DROPPED = "off_policy/dropped"  # samples dropped at the cut as too stale
+    VERSION_SPAN_MAX = "off_policy/span_max"  # most policy versions one sample's rollout spanned (last - first)
+    POLICY_VERSION = "policy_version"  # served when the batch was cut
+    INFLIGHT = "inflight/rollouts"  # in flight when the batch was cut
+    BUFFERED = "queue/buffered_samples"  # left over for the next batches after the cut
+    INFERENCE_IDLE = "inference/idle_fraction"  # of the wall time since the previous cut with no running request
+    REPLICAS_UP = "inference/replicas_up"  # inference replicas taking rollouts when the batch was cut
+    ROLLOUTS_REROUTED = "rollouts/rerouted"  # run again on another replica after theirs went down, since the cut
+    ENV_WORKERS_UP = "env/workers_up"  # env worker processes taking rollouts when the batch was cut (env.workers)
+    ENV_WORKER_RESTARTS = "env/worker_restarts"  # env workers started again after one was lost, cumulative
+    LOOP_LAG_MAX = "loop/lag_max_s"  # event-loop lag: how late a 50 ms timer fired
+    LOOP_LAG_MEAN = "loop/lag_mean_s"
+    ROLLOUT_MEDIAN_S = "time/rollout_median_s"  # wall time of the rollouts finished since the previous cut
+    ROLLOUT_P90_S = "time/rollout_p90_s"
+    ROLLOUT_MAX_S = "time/rollout_max_s"
+    GENERATE_S = "time/generate_s"  # wall time since the previous cut
+    WAIT_POLICY_S = "time/wait_policy_s"  # of which the cut waited for a newer policy (async_level)
+    WEIGHT_LOAD_S = "time/weight_load_s"  # of which the inference server was paused for weight loads
+    WRITE_BATCH_S = "time/write_batch_s"  # packing and writing the trainer's batch file (row only, not in the file)
+    TOKENS_PER_S = "throughput/completion_tokens_per_s"  # the batch's sampled tokens / GENERATE_S
+    SEQ_LEN_MEAN = "seq_len/mean"
+
+
+class TrainerMetric:
+    """Keys of a row of metrics/trainer.jsonl: one row per trained step."""
+
+    LOSS = "loss"  # the batch's policy loss (primerl.trainer.loss), summed over ranks
+    MISMATCH_KL = "mismatch_kl"  # mean over sampled tokens of the k3 estimate of KL(inference policy || trainer's)
+    MASKED_FRACTION = "masked_fraction"  # sampled tokens outside the trust region (no loss)
+    ENTROPY = "entropy"  # of the trainer's policy, mean over sampled positions
+    GRAD_NORM = "grad_norm"  # global, before clipping
+    UPDATE_SKIPPED = "update_skipped"  # 1: the loss or gradient norm was not finite and the weights stayed as they were
+    MIN_POLICY_VERSION = "batch/min_policy_version"  # oldest policy that generated any of the batch's tokens
+    STEP_S = "time/step_s"  # read the batch + forward + backward + optimizer
+    FORWARD_S = "time/forward_s"
+    BACKWARD_S = "time/backward_s"
+    OPTIMIZER_S = "time/optimizer_s"  # clip, all-reduce and the AdamW step
+    WAIT_BATCH_S = "time/wait_batch_s"  # waiting for the orchestrator's batch file
+    READ_BATCH_S = "time/read_batch_s"
+    CHECKPOINT_S = "time/checkpoint_s"  # on the training thread (with trainer.checkpoint_async: the in-memory copy)
+    PUBLISH_S = "time/publish_s"  # writing the policy's weights for the inference servers
+    SAVE_S = "time/save_s"  # checkpoint + publish
+    TOKENS_PER_S = "throughput/tokens_per_s"  # the batch's tokens (padding included) / STEP_S
+
+
+def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:
+    path = metrics_path(run_dir, process)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean = {k: (v if isinstance(v, int | float) and math.isfinite(v) else None) for k, v in values.items()}
+    line = (json.dumps({"step": step, "time": time.time(), **clean}) + "\n").encode()
+    with open(path, "a+b") as f:
+        if f.tell() > 0:  # a process killed mid-line left a torn line: start on a fresh one
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)
+        f.flush()
+
+
+def append_metrics_once(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:
+    """Append `step`'s row unless it is there: how a resumed process restores a row its predecessor died before."""
+    if all(row["step"] != step for row in read_metrics(run_dir, process)):
+        append_metrics(run_dir, process, step, values)
+
+
+def read_metrics(run_dir: str | Path, process: str) -> list[dict]:
+    path = metrics_path(run_dir, process)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written right now
+    return rows

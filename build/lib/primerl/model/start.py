@@ -1,0 +1,65 @@
+"""Which weights a run starts from: the SFT warm-start checkpoint (cached, keyed by what changes it) or the base model.
+
+Every process asks this module, so inference serves, the orchestrator tokenizes for and the trainer trains the same
+start weights. Whether SFT applies is a pure function of the config (`sft_applies`), decided identically in the
+driver, before any process starts, and in every process it starts.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from primerl.config.schema import RunConfig
+from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
+from primerl.model.resolve import base_model_ref, prepare_base_model
+
+
+def sft_data_source(cfg: RunConfig) -> str | None:
+    """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file or directory), the env's own
+    generator (`generated:<env id>`, primerl.envs.demonstrations), or None when there are none for this env (or a
+    mixture of envs)."""
+    if cfg.sft.data:
+        return str(Path(cfg.sft.data).expanduser().resolve())
+    if not cfg.mixture and demonstration_hook(cfg.env.id) is not None:
+        return f"generated:{cfg.env.id}"
+    return None
+
+
+def sft_applies(cfg: RunConfig) -> bool:
+    """SFT runs (or its cached checkpoint is used) only when enabled and there are demonstrations for it."""
+    return cfg.sft.enabled and sft_data_source(cfg) is not None
+
+
+def sft_checkpoint_dir(cfg: RunConfig) -> Path:
+    """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs.
+    With `sft.data`, its sha256 is part of the key: an edited dataset trains a new checkpoint."""
+    settings = asdict(cfg.sft) | {"save_every": None}
+    data = settings.pop("data")
+    key_parts = [base_model_ref(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
+    if data:
+        key_parts.append(data_digest(data))
+    elif demonstrations_version(cfg.env.id) > 1:  # version 1 is left out: keys made before versions stay valid
+        key_parts.append({"demonstrations": demonstrations_version(cfg.env.id)})
+    key = json.dumps(key_parts, sort_keys=True, default=str)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(cfg.cache_dir)) / "sft" / f"{cfg.name}-{digest}"
+
+
+def data_digest(data: str) -> str:
+    """sha256 of a dataset file; of a datasets directory, over its files' relative names and bytes in name order."""
+    root = Path(data).expanduser()
+    if not root.is_dir():
+        return hashlib.sha256(root.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode() + b"\0")
+        digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def prepare_start_model(cfg: RunConfig) -> str:
+    """The weights RL starts from: the SFT checkpoint when SFT applies (trained before, by primerl.sft), else the base
+    model (the tiny model built here on first use)."""
+    return str(sft_checkpoint_dir(cfg)) if sft_applies(cfg) else prepare_base_model(cfg)

@@ -1,0 +1,34 @@
+"""Orchestrator group: batches, sampling, how many rollouts run at once, and the two staleness bounds."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from primerl.utils.bounds import bounded
+
+
+@dataclass
+class OrchestratorConfig:
+    batch_size: int = bounded(64, ge=1)  # samples per trainer step
+    group_size: int = bounded(8, ge=1)  # rollouts per task, for group-relative advantages
+    # How many batches the orchestrator may run ahead of the policy the inference server serves: batch n is cut only
+    # once policy n - async_level is loaded. 0 = synchronous: every trained sample comes wholly from the policy it trains.
+    async_level: int = bounded(1, ge=0)
+    # A sample whose oldest policy version lags the step it would train by more than this is never trained: dropped at
+    # the batch cut, or its group cancelled in flight. None: async_level (what async_level alone allows).
+    max_off_policy_steps: int | None = bounded(None, ge=0)
+    # rollouts in flight at once, across step boundaries
+    max_inflight: int = bounded(128, ge=1)
+    # true: lock-step: start one batch of groups, wait for every rollout, cut, repeat.
+    drain_per_step: bool = False
+    max_tokens: int = bounded(64, ge=1)
+    temperature: float = bounded(1.0, gt=0)
+    # Further vLLM sampling parameters for every request (`+orchestrator.sampling_args.stop=[...]`). The trainer's
+    # importance ratio compares against logprobs of the plain distribution at `temperature`: parameters that reshape it
+    # (allowed_token_ids, logit_bias, min_tokens) show up as mismatch_kl and masked tokens.
+    sampling_args: dict[str, Any] = field(default_factory=dict)
+    rollout_timeout_s: float = bounded(120.0, gt=0)
+    weight_poll_s: float = bounded(0.2, gt=0)  # how often the run's weights directory is checked for a newer policy
+
+    @property
+    def off_policy_bound(self) -> int:
+        return self.async_level if self.max_off_policy_steps is None else self.max_off_policy_steps

@@ -1,0 +1,120 @@
+"""The orchestrator's side of an inference server: health, the policy it serves, in-flight weight updates, load.
+
+All calls are async (httpx) and carry the server's key. A weight update does not drain the server:
+
+    POST /pause?mode=keep&clear_cache=false
+                            the engine stops scheduling; running and queued requests freeze where they are, KV kept
+    POST /collective_rpc    primerl_load_weights(path, version) on every worker (reload in place)
+    POST /resume            frozen requests continue on the new weights; new requests are scheduled again
+
+A request that was running across the update continues with KV computed by the old weights (its sample records both
+versions). A request that arrives after the pause never touches KV from older weights: the server's cache-salt
+middleware (primerl.inference.cache_salt) salts every request with the number of pauses so far.
+"""
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from primerl.transport.identity import served_by
+from primerl.utils.log import get_logger
+from primerl.utils.wait import wait_until_async
+
+log = get_logger(__name__)
+
+_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+class InferenceClient:
+    """`server_id`: the run's server id (primerl.transport.identity); a server answering with another is not ours."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0, server_id: str | None = None
+    ):
+        self.base_url, self.server_id = base_url, server_id
+        self._foreign_seen = False
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
+        # would be written into the closed socket. Admin calls are few; a loopback connect costs ~0.1 ms.
+        self.http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def move_to(self, base_url: str) -> None:
+        """Talk to the server at `base_url` from now on (its job was requeued elsewhere). No connection is kept alive,
+        so nothing of the old address is reused."""
+        self.base_url = self.http.base_url = base_url
+
+    async def health(self) -> bool | None:
+        """True: /health answered 200. False: the server refused (no listener, an error status, a broken answer): it is
+        down. None: no answer within 5 s, which a loaded server may give and a hung one gives; the caller weighs it
+        (primerl.utils.liveness)."""
+        try:
+            answer = await self.http.get("/health", timeout=5.0)
+        except httpx.TimeoutException:
+            return None
+        except httpx.HTTPError:
+            return False
+        if answer.status_code == 200 and not served_by(answer.headers, self.server_id):
+            if not self._foreign_seen:  # another run's server on our address: as good as none
+                log.warning("%s answers as another run's server, not this run's: it is not used", self.base_url)
+                self._foreign_seen = True
+            return False
+        return answer.status_code == 200
+
+    async def healthy(self) -> bool:
+        return await self.health() is True
+
+    async def wait_healthy(self, timeout_s: float, before_probe: Callable[[], None] = lambda: None) -> None:
+        """Until /health answers 200, probing with back-off up to 10 s apart (`before_probe` runs before each)."""
+
+        async def ready() -> bool:
+            before_probe()
+            return await self.healthy()
+
+        what = f"inference server {self.base_url} to be healthy (inference.startup_timeout_s)"
+        await wait_until_async(ready, what, timeout_s, poll_s=0.5, max_poll_s=10.0)
+
+    async def _rpc(self, method: str, *args: str) -> list[str]:
+        r = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} failed on {self.base_url} ({r.status_code}): {r.text[:500]}")
+        return [str(x) for x in r.json()["results"]]
+
+    async def policy_version(self) -> int:
+        versions = {int(v) for v in await self._rpc("primerl_get_policy_version")}
+        if len(versions) != 1:
+            raise RuntimeError(f"workers of {self.base_url} disagree on the policy version: {sorted(versions)}")
+        return versions.pop()
+
+    async def load_weights(self, path: str | Path, version: int) -> float:
+        """Pause (keeping in-flight requests), load `path` as policy `version`, resume; returns the seconds paused."""
+        started = time.perf_counter()
+        # clear_cache=false: vLLM's default would preempt every running request and recompute its KV after resume
+        (await self.http.post("/pause", params={"mode": "keep", "clear_cache": "false"})).raise_for_status()
+        try:
+            await self._rpc("primerl_load_weights", str(path), str(version))
+        finally:
+            (await self.http.post("/resume")).raise_for_status()
+        return time.perf_counter() - started
+
+    async def running_requests(self) -> float | None:
+        """vLLM's `num_requests_running` gauge (None when unreadable)."""
+        try:
+            r = await self.http.get("/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        values = [float(v) for v in _RUNNING.findall(r.text)] if r.status_code == 200 else []
+        return sum(values) if values else None

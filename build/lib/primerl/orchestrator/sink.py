@@ -1,0 +1,114 @@
+"""Sink: finished groups -> advantages -> a buffer of samples -> batches of exactly `batch_size` samples.
+
+Pure bookkeeping, no I/O, no awaits. A group's advantages come from its own usable rollouts (same task, dispatched
+under one policy version); each trainable branch of a rollout becomes one `Sample` carrying its group's dispatch
+version (the oldest policy that generated any of its tokens) and the version served when it finished.
+
+Invariants:
+- `cut(step)` first drops every buffered sample whose oldest version lags `step` by more than `max_off_policy_steps`,
+  so no emitted sample lags more than the bound; then, if at least `batch_size` samples remain, it emits
+  `batch_size` of them, oldest policy version first and in arrival order within a version (a sample that the next
+  batch could no longer take goes first); the leftovers stay for the next batch;
+- `cut_all(step)` (lock-step mode) emits whatever is buffered, after the same drop;
+- every sample added is either emitted once or counted as dropped once.
+"""
+
+from dataclasses import dataclass, field
+
+from primerl.envs.types import Rollout
+from primerl.orchestrator.advantages import group_advantages
+from primerl.orchestrator.types import FinishedGroup
+from primerl.transport.batches import Sample
+
+
+@dataclass
+class Cut:
+    step: int
+    samples: list[Sample]
+    dropped: int  # samples dropped as too stale since the previous cut
+    rollouts: list[Rollout] = field(default_factory=list)  # whose first branch is in this batch (per-rollout stats)
+    examples: list[dict] = field(default_factory=list)  # a few of them, for people
+
+
+@dataclass
+class _Buffered:
+    sample: Sample
+    rollout: Rollout | None = None  # set on a rollout's first branch only
+    example: dict | None = None
+
+
+class Sink:
+    def __init__(self, batch_size: int, max_off_policy_steps: int, examples_per_batch: int = 4):
+        self.batch_size, self.max_off_policy_steps = batch_size, max_off_policy_steps
+        self.examples_per_batch = examples_per_batch
+        self.buffer: list[_Buffered] = []
+        self.pending_dropped = 0  # dropped since the last emitted batch: reported with the next one
+
+    @property
+    def buffered(self) -> int:
+        return len(self.buffer)
+
+    def add(self, group: FinishedGroup) -> None:
+        advantages = group_advantages([f.rollout.reward for f in group.rollouts])
+        for finished, advantage in zip(group.rollouts, advantages, strict=True):
+            rollout = finished.rollout
+            example = {
+                "task": group.task_key,
+                "prompt": rollout.prompt[:500],
+                "completion": rollout.completion[:500],
+                "reward": rollout.reward,
+                "rewards": rollout.rewards,
+                "metrics": rollout.metrics,
+                "policy_versions": [group.version, finished.last_version],
+                "messages": rollout.transcript,
+            }
+            for i, branch in enumerate(rollout.branches):
+                sample = Sample(
+                    branch.token_ids,
+                    branch.sampled_mask,
+                    branch.logprobs,
+                    rollout.reward,
+                    advantage,
+                    group.version,
+                    group.task_key,
+                    finished.last_version,
+                )
+                self.buffer.append(_Buffered(sample, rollout, example) if i == 0 else _Buffered(sample))
+
+    def drop_stale(self, step: int) -> int:
+        oldest = step - self.max_off_policy_steps
+        kept = [entry for entry in self.buffer if entry.sample.policy_version >= oldest]
+        dropped = len(self.buffer) - len(kept)
+        self.buffer = kept
+        return dropped
+
+    def cut(self, step: int) -> Cut | None:
+        """Batch `step`, if `batch_size` fresh-enough samples are buffered; else None (stale ones are dropped
+        either way and reported with the next batch)."""
+        self.pending_dropped += self.drop_stale(step)
+        if len(self.buffer) < self.batch_size:
+            return None
+        return self._emit(step, self.batch_size)
+
+    def cut_all(self, step: int) -> Cut | None:
+        self.pending_dropped += self.drop_stale(step)
+        return self._emit(step, len(self.buffer)) if self.buffer else None
+
+    def _emit(self, step: int, n: int) -> Cut:
+        # oldest policy first (stable): a sample that would be too stale for the next batch is used while it still may
+        self.buffer.sort(key=lambda entry: entry.sample.policy_version)
+        taken, self.buffer = self.buffer[:n], self.buffer[n:]
+        examples = self._examples(step, taken)
+        rollouts = [t.rollout for t in taken if t.rollout is not None]
+        cut = Cut(step, [t.sample for t in taken], self.pending_dropped, rollouts, examples)
+        self.pending_dropped = 0
+        return cut
+
+    def _examples(self, step: int, taken: list["_Buffered"]) -> list[dict]:
+        """A few rollouts of the batch for people: one per task (its group), in batch order, so a batch of several
+        groups or of a mixture's envs shows each rather than one group's rollouts of the same task."""
+        examples: dict[str, dict] = {}
+        for entry in taken:
+            if entry.example is not None and len(examples) < self.examples_per_batch:
+                examples.setdefault(entry.example["task"], {"step": step, **entry.example})
+        return list(examples.values())

@@ -1,0 +1,209 @@
+"""Watcher: follows the trainer's published policies into the inference replicas, and the replicas' health.
+
+Every `poll_s` it looks for a newer STABLE weights directory; when there is one it loads the newest into every
+replica that is up, concurrently and in flight (pause with requests kept, load, resume:
+primerl.orchestrator.inference_client), then advances `Policy` and calls `on_change` (the orchestrator re-checks its
+batch cut and wakes the dispatcher). Versions in between are skipped: a server only ever needs the newest.
+
+Health (primerl.orchestrator.replicas): every HEALTH_EVERY_S, after a group whose every rollout failed
+(`check_health()`), and after a failed load, each up replica is probed; one that refuses (nothing listens, an error
+status), or has shown no sign of life for the replicas' liveness limit, is marked down and gets new rollouts no
+more. A replica marked down (here, or by the runner) is recovered in the background: wait for it
+with back-off, load the policy the others serve (with none up: the newest published), and mark it up. While no
+replica is up, admission stops (`serving` false). Invariant: every replica marked up serves `Policy.version`. A
+replica still down after `recovery_timeout_s` ends the run only when no other replica is up. Rollouts that failed
+meanwhile are counted failures; no step is skipped. A recovering replica whose advertised address changed (a
+requeued SLURM inference job on another node or port: `addresses`) is followed there.
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+
+from primerl.orchestrator.replicas import Replicas
+from primerl.orchestrator.types import Policy
+from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import latest_stable_version
+from primerl.utils.errors import RunError
+from primerl.utils.log import get_logger
+from primerl.utils.pool import HEALTH_EVERY_S
+
+log = get_logger(__name__)
+MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they refuse end the run
+
+
+class Watcher:
+    def __init__(
+        self,
+        run_dir: Path,
+        replicas: Replicas,
+        policy: Policy,
+        poll_s: float,
+        recovery_timeout_s: float,
+        on_change: Callable[[], None] = lambda: None,
+        before_load: Callable[[int], Awaitable[None]] | None = None,
+        addresses: Callable[[], list[str | None] | None] = lambda: None,
+    ):
+        self.run_dir, self.replicas, self.policy = run_dir, replicas, policy
+        self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
+        self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
+        self.addresses = addresses  # the replicas' advertised URLs (SLURM; None when nothing is advertised)
+        self.load_s = 0.0  # seconds the slowest replica spent loading weights, summed over loads
+        self.loads = 0
+        self.recoveries = 0  # replicas brought back, cumulative
+        self._suspect = asyncio.Event()
+        self._recovering: dict[int, asyncio.Task] = {}
+        self._load_failures = 0
+        self._last_probe = time.monotonic()
+
+    @property
+    def serving(self) -> bool:
+        """False while no replica is up: the orchestrator admits nothing."""
+        return self.replicas.serving
+
+    def check_health(self) -> None:
+        """Ask for a health check at the next poll (e.g. after a group whose rollouts all failed)."""
+        self._suspect.set()
+
+    async def run(self) -> None:
+        last_health = time.monotonic()
+        try:
+            while True:
+                self._raise_failed_recovery()
+                try:
+                    if self._suspect.is_set() or time.monotonic() - last_health > HEALTH_EVERY_S:
+                        self._suspect.clear()
+                        last_health = time.monotonic()
+                        await self.probe()
+                    await self.update()
+                except (httpx.HTTPError, RuntimeError) as err:
+                    self._load_failures += 1
+                    if self._load_failures >= MAX_LOAD_FAILURES:
+                        raise RunError(
+                            f"loading new weights failed {self._load_failures} times in a row on "
+                            f"replicas that are up: {type(err).__name__}: {err}"
+                        ) from err
+                    log.warning("weight update failed (%s: %s); checking the servers", type(err).__name__, err)
+                    await self.probe()
+                self._start_recoveries()
+                self.replicas.down_event.clear()
+                waits = [asyncio.ensure_future(e.wait()) for e in (self._suspect, self.replicas.down_event)]
+                await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                for waiting in waits:
+                    waiting.cancel()
+        finally:
+            for task in self._recovering.values():
+                task.cancel()
+
+    async def probe(self) -> None:
+        """Mark down every up replica that refuses /health or has been silent past the liveness limit."""
+        replicas = self.replicas
+        up = [i for i in range(len(replicas)) if replicas.up[i]]
+        answers = await asyncio.gather(*(replicas.clients[i].health() for i in up))
+        now = time.monotonic()
+        elapsed, self._last_probe = now - self._last_probe, now
+        for index, answer in zip(up, answers, strict=True):
+            pulse = replicas.pulses[index]
+            if answer:
+                pulse.answered()
+            elif answer is False:
+                replicas.mark_down(index, "/health refused")
+            elif replicas.liveness.observe(pulse, elapsed):
+                limit = replicas.liveness.limit(pulse)
+                replicas.mark_down(index, f"no /health answer and no rollout finished in {limit:.0f}s")
+        self._start_recoveries()
+
+    async def update(self) -> None:
+        """Load the newest published policy into every up replica if it is newer than the one served."""
+        latest = latest_stable_version(self.run_dir)
+        if latest is None or latest <= self.policy.version or not self.replicas.serving:
+            return
+        if self.before_load is not None:
+            await self.before_load(self.policy.version)
+            latest = latest_stable_version(self.run_dir) or latest  # the trainer may have published more meanwhile
+        await self._load(latest)
+
+    async def _load(self, version: int) -> None:
+        up = [i for i in range(len(self.replicas)) if self.replicas.up[i]]
+        path = weights_path(self.run_dir, version)
+        results = await asyncio.gather(
+            *(self.replicas.clients[i].load_weights(path, version) for i in up), return_exceptions=True
+        )
+        seconds = [r for r in results if isinstance(r, float)]
+        for index, result in zip(up, results, strict=True):
+            if isinstance(result, BaseException):
+                if (
+                    not isinstance(result, (httpx.HTTPError, RuntimeError))
+                    or await self.replicas.clients[index].healthy()
+                ):
+                    raise result  # a server that is up and refuses the weights: not a fault to wait out
+                self.replicas.mark_down(index, f"the load of v{version} failed ({type(result).__name__})")
+        if not seconds:
+            return  # every replica went down: recoveries load the newest when they come back
+        log.info(
+            "policy v%d -> v%d loaded in flight in %.2fs (%d replica%s)",
+            self.policy.version,
+            version,
+            max(seconds),
+            len(seconds),
+            "" if len(seconds) == 1 else "s",
+        )
+        self.policy.version = version
+        self._load_failures = 0
+        self.load_s += max(seconds)
+        self.loads += 1
+        self.on_change()
+
+    def _start_recoveries(self) -> None:
+        for index, up in enumerate(self.replicas.up):
+            if not up and index not in self._recovering:
+                self._recovering[index] = asyncio.create_task(self._recover(index), name=f"recover-replica-{index}")
+
+    def _raise_failed_recovery(self) -> None:
+        for index, task in list(self._recovering.items()):
+            if task.done():
+                del self._recovering[index]
+                task.result()  # a replica that never came back while none was up: the run's error
+
+    def _follow(self, index: int) -> None:
+        """Point down replica `index` at its advertised address when that changed (its job was requeued)."""
+        urls = self.addresses()
+        if urls and index < len(urls) and urls[index] and urls[index] != self.replicas.clients[index].base_url:
+            self.replicas.move(index, urls[index])
+
+    async def _recover(self, index: int) -> None:
+        """Wait for replica `index`, make it serve the policy the others serve, mark it up."""
+        client = self.replicas.clients[index]
+        log.warning("inference server %s unreachable; waiting with back-off", client.base_url)
+        while True:
+            try:
+                await client.wait_healthy(self.recovery_timeout_s, lambda: self._follow(index))
+                # with other replicas up, their version; with none, the newest published (a restart serves v0)
+                target = self.policy.version if self.replicas.serving else (latest_stable_version(self.run_dir) or 0)
+                served = await client.policy_version()
+                if served != target:
+                    log.warning("the server serves policy v%d, not v%d: reloading", served, target)
+                    await client.load_weights(weights_path(self.run_dir, target), target)
+                if self.replicas.serving and target != self.policy.version:
+                    continue  # the others moved on meanwhile: load theirs
+                break
+            except RunError:
+                if not self.replicas.serving:
+                    raise
+                log.warning(
+                    "inference server %s still down after %.0fs; the other replicas serve",
+                    client.base_url,
+                    self.recovery_timeout_s,
+                )
+            except (httpx.HTTPError, RuntimeError) as err:
+                log.warning("inference server %s: %s; waiting again", client.base_url, err)
+                await asyncio.sleep(1.0)
+        if not self.replicas.serving:
+            self.policy.version = target
+        self.replicas.mark_up(index)
+        self.recoveries += 1
+        log.info("inference server %s is back, serving v%d", client.base_url, self.policy.version)
+        self.on_change()

@@ -1,0 +1,67 @@
+"""Writer: the only orchestrator component that touches the run directory.
+
+It writes each cut as the trainer's batch file (packed by `build_batch`, atomically), appends the step's metrics row and
+a few sample rollouts, and finds where a restarted orchestrator goes on: the first step without a batch file, and the
+task position stored in the last batch. Batches already written stay as they are (they are trained, not regenerated);
+a metrics row the predecessor died before writing comes back from its batch's metadata.
+"""
+
+import json
+import time
+from pathlib import Path
+
+from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, append_metrics, append_metrics_once
+from primerl.orchestrator.batch import build_batch
+from primerl.transport.batches import Sample, read_rollout_batch, write_rollout_batch
+from primerl.transport.run_dir import rollout_path, samples_path
+
+RESTORE_ROWS = 3  # a killed predecessor can have lost only its last row; a few more cost nothing
+
+
+class BatchWriter:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        seq_len: int,
+        micro_batch_size: int,
+        pad_id: int,
+        temperature: float,
+        async_level: int,
+    ):
+        self.run_dir = Path(run_dir)
+        self.seq_len, self.micro_batch_size, self.pad_id = seq_len, micro_batch_size, pad_id
+        self.temperature, self.async_level = temperature, async_level
+
+    def resume_point(self) -> tuple[int, int]:
+        """(first step without a batch, tasks drawn through the last batch)."""
+        start, position = 0, 0
+        while rollout_path(self.run_dir, start).exists():
+            start += 1
+        for step in range(max(0, start - RESTORE_ROWS), start):
+            batch = read_rollout_batch(rollout_path(self.run_dir, step))
+            append_metrics_once(self.run_dir, ORCHESTRATOR, step, batch.metrics)
+            position = batch.data_position
+        return start, position
+
+    def write(
+        self, step: int, samples: list[Sample], metrics: dict[str, float], data_position: int, examples: list[dict]
+    ) -> None:
+        started = time.perf_counter()
+        batch = build_batch(
+            samples,
+            step,
+            self.seq_len,
+            self.micro_batch_size,
+            self.pad_id,
+            temperature=self.temperature,
+            async_level=self.async_level,
+            metrics=metrics,
+            data_position=data_position,
+        )
+        write_rollout_batch(self.run_dir, batch)
+        # only in the metrics row: the batch file's own copy of the metrics was written before this was known
+        metrics = {**metrics, OrchestratorMetric.WRITE_BATCH_S: time.perf_counter() - started}
+        append_metrics(self.run_dir, ORCHESTRATOR, step, metrics)
+        path = samples_path(self.run_dir)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in examples)

@@ -1,0 +1,184 @@
+"""`python -m primerl.trainer` (or `torchrun --nproc-per-node N -m primerl.trainer`): the FSDP2 RL trainer.
+
+For step n = start..max_steps-1: wait for the orchestrator's batch n, train on it (micro-batches dealt round-robin
+over ranks; every rank runs the same number of forward/backward passes, padding with zero-weight ones), clip,
+AdamW step, checkpoint model and optimizer every `trainer.checkpoint_every` steps (`<run>/checkpoints/step_<n+1>`,
+primerl.trainer.checkpoint), then publish the weights as policy version n+1 (`<run>/weights/step_<n+1>`, atomic,
+STABLE-marked) for the inference server to load.
+
+A restarted trainer resumes from the newest checkpoint (model, optimizer moments, step) and trains the next batch
+the orchestrator wrote; with checkpoint_every=1 (the default) no step is trained twice. With a larger interval the
+steps since the last checkpoint are replayed from their stored batches (their first metrics rows are kept). With
+`trainer.checkpoint_async` the checkpoint is written while the next step trains, and a kill during that write
+replays the steps since the checkpoint before it (AsyncCheckpointer).
+"""
+
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.schema import RunConfig
+from primerl.config.validate import resolve_dp_shard
+from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
+from primerl.model.start import prepare_start_model
+from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_checkpointer
+from primerl.trainer.config import TrainerConfig
+from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
+from primerl.trainer.loss import policy_loss
+from primerl.trainer.trainer import MicroBatch, Trainer
+from primerl.transport.atomic import is_stable
+from primerl.transport.batches import RolloutBatch, read_rollout_batch
+from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
+from primerl.transport.weights import drop_old_version, versions_to_keep
+from primerl.utils.errors import writing
+from primerl.utils.log import get_logger
+from primerl.utils.wait import wait_until
+
+log = get_logger("trainer")
+
+
+def wait_for_batch(run_dir: Path, step: int) -> tuple[Path, float]:
+    """The path of batch `step` once the orchestrator has written it, and the seconds waited for it."""
+    path, started = rollout_path(run_dir, step), time.perf_counter()
+    wait_until(path.exists, f"batch {step} ({path})", note_every_s=60)
+    return path, time.perf_counter() - started
+
+
+def rank_micro_batches(micro: list[MicroBatch], dp_rank: int, dp: int) -> list[MicroBatch]:
+    """This data-parallel rank's share, padded with loss-free copies so every rank runs ceil(len/dp) passes."""
+    per_rank = -(-len(micro) // dp)
+    mine = micro[dp_rank::dp]
+    while len(mine) < per_rank:
+        mine.append({**micro[0], "loss_mask": torch.zeros_like(micro[0]["loss_mask"])})
+    return mine
+
+
+def publish(trainer: Trainer, run_dir: Path, version: int, keep: int | None) -> None:
+    """Collective: write policy `version` for the inference server; with `keep`, drop the version it can no longer
+    need (the newest `keep` stay: primerl.transport.weights.versions_to_keep)."""
+    trainer.export(weights_path(run_dir, version))
+    if keep is not None and trainer.info.is_main:
+        drop_old_version(run_dir, version, keep)
+
+
+def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
+    """(the step to train next, the steps that already have a metrics row). Restores the newest checkpoint, the
+    metrics row its writer died before appending, and the weights it died before publishing."""
+    start = latest_checkpoint(run_dir) or 0
+    # a replayed step (checkpoint_every > 1) keeps its first row
+    logged = {row["step"] for row in read_metrics(run_dir, TRAINER)}
+    if start:
+        state = trainer.restore(checkpoint_path(run_dir, start))
+        if trainer.info.is_main and start - 1 not in logged:  # the predecessor died between checkpoint and metrics
+            append_metrics(run_dir, TRAINER, start - 1, state["metrics"])
+        if not is_stable(weights_path(run_dir, start)):  # killed between checkpoint and publish
+            publish(trainer, run_dir, start, keep=None)  # the next publish drops what is no longer needed
+    if trainer.info.is_main:
+        source = checkpoint_path(run_dir, start) if start else trainer.base
+        log.info(f"starting at step {start} from {source} on {trainer.info.world_size} rank(s)")
+    return start, logged
+
+
+def train_on_batch(
+    trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp_rank: int, dp: int, step: int
+) -> dict[str, float]:
+    """Collective: one RL step on `batch`. Returns the step's metrics row, less the timings around it."""
+
+    def loss_fn(logits: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        parts = policy_loss(logits, micro, batch.num_loss_tokens, cfg.loss, batch.temperature)
+        return parts.loss, parts.sums()
+
+    result = trainer.step(step, rank_micro_batches(batch.micro_batches, dp_rank, dp), loss_fn)
+    tokens = max(result.sums["tokens"], 1.0)
+    return {
+        TrainerMetric.LOSS: result.sums["loss"],
+        TrainerMetric.MISMATCH_KL: result.sums["mismatch_kl"] / tokens,
+        TrainerMetric.MASKED_FRACTION: result.sums["masked"] / tokens,
+        TrainerMetric.ENTROPY: result.sums["entropy"] / tokens,
+        TrainerMetric.GRAD_NORM: result.grad_norm,
+        TrainerMetric.FORWARD_S: result.forward_s,
+        TrainerMetric.BACKWARD_S: result.backward_s,
+        TrainerMetric.OPTIMIZER_S: result.optimizer_s,
+        TrainerMetric.MIN_POLICY_VERSION: float(batch.min_policy_version),
+        TrainerMetric.UPDATE_SKIPPED: float(not result.applied),
+    }
+
+
+def save(
+    trainer: Trainer,
+    checkpointer: Checkpointer,
+    cfg: TrainerConfig,
+    run_dir: Path,
+    step: int,
+    metrics: dict[str, float],
+    keep: int,
+) -> dict[str, float]:
+    """Collective: checkpoint (every `checkpoint_every` steps and at the end), then publish policy step+1. Returns
+    the timings."""
+    started = time.perf_counter()
+    with writing(f"checkpoint and weights of step {step + 1}", "nothing of it is marked STABLE"):
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.max_steps:
+            checkpointer.save(trainer.model, trainer.optimizer, step + 1, metrics)
+        published_at = time.perf_counter()
+        publish(trainer, run_dir, step + 1, keep)
+    return {
+        TrainerMetric.CHECKPOINT_S: published_at - started,
+        TrainerMetric.PUBLISH_S: time.perf_counter() - published_at,
+        TrainerMetric.SAVE_S: time.perf_counter() - started,  # checkpoint + publish
+    }
+
+
+def train(cfg: RunConfig, info: DistInfo) -> None:
+    """Collective: the RL step loop (module docstring)."""
+    run_dir, tcfg, cp = Path(cfg.output_dir), cfg.trainer, cfg.parallelism.cp
+    dp = resolve_dp_shard(cfg, info.world_size)
+    base = main_rank_first(info, lambda: prepare_start_model(cfg))
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer.build(base, info, tcfg.optim, cfg.model.dtype, cp, cfg.parallelism.ep, tcfg.max_nonfinite_steps)
+    start, logged = resume(trainer, run_dir)
+    with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
+        for step in range(start, tcfg.max_steps):  # the last checkpoint is STABLE before the `with` ends
+            path, waited = wait_for_batch(run_dir, step)
+            started = time.perf_counter()
+            batch = read_rollout_batch(path)
+            read_s = time.perf_counter() - started
+            metrics = train_on_batch(trainer, tcfg, batch, info.rank // cp, dp, step)
+            step_s = time.perf_counter() - started
+            # step_s = read + forward + backward + optimizer (with the clip's all-reduce). Host times: on CUDA the
+            # split is approximate (kernels run async; .item() syncs), the sum exact.
+            metrics |= {
+                TrainerMetric.STEP_S: step_s,
+                TrainerMetric.WAIT_BATCH_S: waited,
+                TrainerMetric.READ_BATCH_S: read_s,
+                TrainerMetric.TOKENS_PER_S: sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
+            }
+            metrics |= save(trainer, checkpointer, tcfg, run_dir, step, metrics, versions_to_keep(batch.async_level))
+            if info.is_main:
+                report(run_dir, step, metrics, replayed=step in logged)
+
+
+def report(run_dir: Path, step: int, metrics: dict[str, float], replayed: bool) -> None:
+    if not replayed:
+        append_metrics(run_dir, TRAINER, step, metrics)
+    log.info(
+        f"step {step}{' replayed' if replayed else ''}: loss {metrics[TrainerMetric.LOSS]:+.4f} mismatch_kl "
+        f"{metrics[TrainerMetric.MISMATCH_KL]:.2e} grad_norm {metrics[TrainerMetric.GRAD_NORM]:.3f} "
+        f"({metrics[TrainerMetric.STEP_S]:.1f}s, waited {metrics[TrainerMetric.WAIT_BATCH_S]:.1f}s)"
+    )
+
+
+@hydra_app()
+def main(dict_cfg: DictConfig) -> None:
+    cfg = to_run_config(dict_cfg)
+    info = init_distributed(cfg.parallelism.backend)
+    try:
+        train(cfg, info)
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    main()

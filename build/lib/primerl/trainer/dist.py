@@ -1,0 +1,92 @@
+"""Process-group and FSDP2 set-up shared by every training entry point (SFT and RL).
+
+Runs the same under `torchrun --nproc-per-node N` and as a plain single process (world size 1, own rendezvous).
+Backend `auto` is NCCL when CUDA is present and gloo on CPU.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str = "auto") -> DistInfo:
+    # plain `python -m ...`: a world of one, rendezvous in memory. (A TCP store would listen on every interface:
+    # torch's TCPStore has no bind address.)
+    alone = "RANK" not in os.environ
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if alone:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def main_rank_first(info: DistInfo, build: Callable[[], T]) -> T:
+    """Run `build` (e.g. building or downloading a model) on rank 0 first, then on the others, which then find its
+    result cached: ranks never build the same files at once."""
+    result = build() if info.is_main else None
+    if dist.is_initialized():
+        dist.barrier()
+    return result if info.is_main else build()
+
+
+def data_mesh(info: DistInfo, dp_shard: int) -> DeviceMesh:
+    return init_device_mesh(info.device.type, (dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, ep: int = 1) -> set[torch.nn.Parameter]:
+    """FSDP2: each decoder layer is its own unit (all-gathered just in time), the rest is the root unit.
+
+    With ep > 1 the MoE experts are first sharded over the same mesh by expert (primerl.trainer.expert_parallel)
+    and kept out of FSDP; returns those expert parameters (empty without EP)."""
+    experts: set[torch.nn.Parameter] = set()
+    if ep > 1:
+        from primerl.trainer.expert_parallel import apply_expert_parallel
+
+        if ep != mesh.size():
+            raise ValueError(f"expert parallel needs ep == the FSDP mesh size, got ep={ep}, mesh={mesh.size()}")
+        experts = apply_expert_parallel(model, mesh)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=experts or None)
+    fully_shard(model, mesh=mesh, ignored_params=experts or None)
+    return experts
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

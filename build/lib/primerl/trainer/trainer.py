@@ -1,0 +1,166 @@
+"""The one trainer that RL (`primerl.trainer`) and SFT (`primerl.sft`) both drive: a model sharded with FSDP2 (and CP
+or EP when asked), its AdamW optimizer, and one collective training step over this rank's micro-batches.
+
+Invariants of `step`, whatever the loss:
+- the loss a loss function returns is this rank's share of the global mean (its normaliser counts the whole global
+  batch), so the gradient of 1 rank equals the gradient of N ranks (FSDP2 averages over ranks; `step` multiplies by
+  the world size to undo it);
+- every rank calls `step` with the same number of micro-batches (at least one) and its loss function returns the
+  same keys on every rank: the sums are all-reduced in one collective;
+- an update whose loss or global gradient norm is not finite is skipped (the weights and optimizer state stay as
+  they were); `max_nonfinite_steps` skipped in a row raise a RunError, and the run stops at its last checkpoint.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from primerl.trainer.checkpoint import load_checkpoint
+from primerl.trainer.config import OptimConfig
+from primerl.trainer.context_parallel import ContextParallel
+from primerl.trainer.dist import DistInfo, data_mesh, shard_model
+from primerl.trainer.expert_parallel import scale_expert_grads
+from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
+from primerl.utils.errors import RunError
+from primerl.utils.log import get_logger
+
+log = get_logger("trainer")
+
+MicroBatch = dict[str, torch.Tensor]
+# (logits, micro-batch) -> (this micro-batch's share of the global loss, sums to report: same keys on every rank)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class StepResult:
+    sums: dict[str, float]  # the loss function's sums over every rank's micro-batches, plus "loss"
+    grad_norm: float  # global, before clipping
+    applied: bool  # False: the loss or the gradient norm was not finite and the update was skipped
+    forward_s: float
+    backward_s: float
+    optimizer_s: float  # clip (with its all-reduce), the sums' all-reduce and the optimizer step
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        info: DistInfo,
+        base: str | Path,
+        max_grad_norm: float,
+        max_nonfinite_steps: int,
+        context: ContextParallel | None = None,
+        expert_params: set[torch.nn.Parameter] | None = None,
+    ):
+        self.model, self.optimizer, self.info, self.base = model, optimizer, info, str(base)
+        self.max_grad_norm, self.max_nonfinite_steps = max_grad_norm, max_nonfinite_steps
+        self.context, self.expert_params = context, expert_params or set()
+        self.skipped_in_a_row = 0
+
+    @classmethod
+    def build(
+        cls,
+        base: str | Path,
+        info: DistInfo,
+        optim: OptimConfig,
+        dtype: str = "float32",
+        cp: int = 1,
+        ep: int = 1,
+        max_nonfinite_steps: int = 3,
+    ) -> "Trainer":
+        """Load the HF model at `base` in `dtype`, enable CP over groups of `cp` ranks, shard it with FSDP2 over
+        every rank (a CP group's ranks share each row, so they share micro-batches), EP over the same mesh when
+        `ep` > 1; then AdamW. Seed torch first: a model built here (not loaded) starts the same on every rank."""
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=getattr(torch, dtype)).to(info.device)
+        model.train()
+        context = ContextParallel(info.rank, info.world_size, cp) if cp > 1 else None
+        if context:
+            context.enable(model)
+        expert_params = shard_model(model, data_mesh(info, info.world_size), ep)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+        )
+        return cls(model, optimizer, info, base, optim.max_grad_norm, max_nonfinite_steps, context, expert_params)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _logits(self, micro: MicroBatch) -> tuple[torch.Tensor, MicroBatch]:
+        """Logits of the micro-batch's rows, and the micro-batch as the loss must see it (CP: this rank's slice)."""
+        if self.context is None:
+            # use_cache=False matters: with a KV cache transformers skips the block-causal mask of packed rows
+            logits = self.model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
+            return logits.logits, micro
+        with self.context.inputs(micro) as (input_ids, position_ids):
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return self.context.loss_inputs(logits, micro)
+
+    def step(self, index: int, micro_batches: list[MicroBatch], loss_fn: LossFn) -> StepResult:
+        """Collective: forward/backward over this rank's micro-batches, clip, and the AdamW step unless not finite.
+        `index` names the step in the warning and error about non-finite steps."""
+        if not micro_batches:
+            raise ValueError("every rank needs at least one micro-batch (pad with loss-free ones)")
+        sums: dict[str, float] = {}
+        forward_s = backward_s = 0.0
+        for micro in micro_batches:
+            started = time.perf_counter()
+            logits, micro = self._logits({k: v.to(self.info.device) for k, v in micro.items()})
+            loss, parts = loss_fn(logits, micro)
+            backward_at = time.perf_counter()
+            forward_s += backward_at - started
+            (loss * self.info.world_size).backward()
+            backward_s += time.perf_counter() - backward_at
+            for key, value in {"loss": loss.item(), **parts}.items():
+                sums[key] = sums.get(key, 0.0) + value
+        optimizer_at = time.perf_counter()
+        scale_expert_grads(self.expert_params, self.info.world_size)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        sums = self._all_reduce(sums)
+        applied = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._count_skipped(index, applied, sums["loss"], grad_norm)
+        return StepResult(sums, grad_norm, applied, forward_s, backward_s, time.perf_counter() - optimizer_at)
+
+    def _all_reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(values)
+        return dict(zip(keys, values.tolist()))
+
+    def _count_skipped(self, index: int, applied: bool, loss: float, grad_norm: float) -> None:
+        if applied:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        if self.info.is_main:
+            log.warning(
+                f"step {index}: loss {loss} / grad norm {grad_norm} not finite: update skipped "
+                f"({self.skipped_in_a_row} in a row; at most {self.max_nonfinite_steps})"
+            )
+        if self.skipped_in_a_row >= self.max_nonfinite_steps:
+            raise RunError(
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (last: "
+                f"step {index}); the run stops at its last finite checkpoint"
+            )
+
+    def restore(self, path: Path) -> dict:
+        """Collective: model and optimizer state from the checkpoint at `path`; returns its trainer_state.json."""
+        return load_checkpoint(self.model, self.optimizer, path)
+
+    def export(self, out_dir: str | Path) -> None:
+        """Collective: write the full weights as an HF directory (with the base model's config and tokenizer),
+        atomically and STABLE-marked, from rank 0."""
+        state = full_state_dict(self.model)
+        if self.info.is_main:
+            save_hf_checkpoint(state, self.base, out_dir)
+        dist.barrier()

@@ -1,0 +1,62 @@
+"""Hugging Face safetensors checkpoints of a model being trained, published atomically (primerl.transport.atomic):
+a directory is complete iff it holds the STABLE marker, so a crash half-way leaves nothing a reader would load.
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from primerl.transport.atomic import atomic_dir
+
+_COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the full, unsharded state dict onto rank 0's CPU (a collective: every rank calls it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Transformers keeps MoE experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj); checkpoints on disk, and
+    vLLM's loaders, use one tensor per expert and projection. Split the fused ones; other tensors pass through."""
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("mlp.experts.gate_up_proj") and value.dim() == 3:
+            prefix, half = key.removesuffix("gate_up_proj"), value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = value[e, :half].contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = value[e, half:].contiguous()
+        elif key.endswith("mlp.experts.down_proj") and value.dim() == 3:
+            prefix = key.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            out[key] = value
+    return out
+
+
+def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write `state_dict` as model.safetensors plus the base model's config and tokenizer files, atomically."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
+        if tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr() or torch.equal(
+            tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+        ):
+            del tensors["lm_head.weight"]  # tied: HF and vLLM re-tie on load
+    tensors = per_expert_tensors(tensors)
+    with atomic_dir(out_dir) as staging:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        for name in _COPIED_FILES:
+            if (Path(base_dir) / name).exists():
+                shutil.copy2(Path(base_dir) / name, staging / name)
+    return Path(out_dir)

@@ -1,0 +1,109 @@
+"""Orchestrator -> trainer: the batch for trainer step n is one safetensors file, `rollout_path(run, n)`.
+
+Tensors are named `mb<i>.<field>` (one group per micro-batch), the rest of `RolloutBatch` is JSON metadata. The file is
+written atomically, so the trainer sees nothing or all of it, and read with safetensors only (no pickles). The metadata
+records the tensor data's size and sha256: a file damaged after it was written (truncated, bytes changed) is refused
+with `CorruptBatch`, never trained.
+"""
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from primerl.transport.atomic import atomic_file
+from primerl.transport.run_dir import rollout_path
+from primerl.utils.errors import RunError
+
+MICRO_BATCH_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages")
+SAMPLING_FIELDS = ("temperature", "async_level")
+
+
+@dataclass
+class Sample:
+    """One trainable token sequence from one rollout branch (prompt, completions and env turns)."""
+
+    token_ids: list[int]
+    sampled_mask: list[bool]  # True where the policy sampled the token: the only tokens with loss
+    logprobs: list[float]  # inference logprob of each token (0.0 where not sampled)
+    reward: float
+    advantage: float
+    policy_version: int  # the oldest policy that generated any of its tokens (the version when its group started)
+    task_key: str = ""
+    last_policy_version: int | None = None  # the newest (a rollout may span weight updates); None: policy_version
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    micro_batches: list[dict[str, torch.Tensor]]  # each: MICRO_BATCH_FIELDS -> [rows, seq_len]
+    num_samples: int
+    num_loss_tokens: int  # over all micro-batches: the token-level normaliser of the loss
+    min_policy_version: int
+    # how the samples were drawn, which the loss must match: the trainer reads these from the batch, never from the
+    # orchestrator's config
+    temperature: float
+    async_level: int  # the most policy versions a sample may lag (primerl.transport.weights.versions_to_keep)
+    metrics: dict[str, float] = field(default_factory=dict)
+    data_position: int = 0  # tasks the orchestrator has consumed through this batch: where a resume goes on
+
+
+class CorruptBatch(RunError):
+    def __init__(self, path: Path, why: str):
+        super().__init__(
+            f"rollout batch {path} is corrupt ({why}); move it and every later batch aside and rerun: "
+            "the orchestrator writes them again"
+        )
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """sha256 and byte count of the tensors' names and data, in name order."""
+    h, size = hashlib.sha256(), 0
+    for name in sorted(tensors):
+        data = tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        h.update(name.encode())
+        h.update(data)
+        size += len(data)
+    return h.hexdigest(), size
+
+
+def write_rollout_batch(run_dir: str | Path, batch: RolloutBatch) -> Path:
+    target = rollout_path(run_dir, batch.step)
+    tensors = {f"mb{i}.{k}": v.contiguous() for i, mb in enumerate(batch.micro_batches) for k, v in mb.items()}
+    meta = {k: v for k, v in asdict(batch).items() if k != "micro_batches"}
+    meta["num_micro_batches"] = len(batch.micro_batches)
+    meta["sha256"], meta["data_bytes"] = _digest(tensors)
+    with atomic_file(target) as tmp:
+        save_file(tensors, tmp, metadata={"primerl": json.dumps(meta)})
+    return target
+
+
+def read_rollout_batch(path: str | Path) -> RolloutBatch:
+    """The batch, after checking the file's size and its data's sha256 against its metadata (`CorruptBatch` if not)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            header_bytes = struct.unpack("<Q", f.read(8))[0]
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["primerl"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # noqa: BLE001 - whatever safetensors or JSON raise on a damaged file
+        raise CorruptBatch(path, f"unreadable: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
+    expected, size = meta.pop("sha256", None), meta.pop("data_bytes", None)
+    if size is not None and path.stat().st_size != 8 + header_bytes + size:
+        raise CorruptBatch(path, f"{path.stat().st_size} bytes, {8 + header_bytes + size} expected")
+    if expected is not None and _digest(tensors)[0] != expected:
+        raise CorruptBatch(path, "its data does not match its recorded sha256")
+    missing = [key for key in SAMPLING_FIELDS if key not in meta]
+    if missing:
+        raise RunError(
+            f"rollout batch {path} records no {' or '.join(missing)} (written by an older primerl): "
+            "start a new run, or move it and every later batch aside so the orchestrator writes them again"
+        )
+    micro = [{k: tensors[f"mb{i}.{k}"] for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))]
+    return RolloutBatch(micro_batches=micro, **meta)

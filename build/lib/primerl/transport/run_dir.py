@@ -1,0 +1,104 @@
+"""Every path of a run directory, named once.
+
+<run>/
+  .hydra/                        composed and resolved config (Hydra)
+  logs/<process>.log             one log per process (SLURM: <process>-rank<r>.log for ranks > 0)
+  metrics/<process>.jsonl        append-only rows, one per step (primerl.metrics)
+  rollouts/step_<n>.safetensors  the batch the trainer trains at step n (transport.batches)
+  rollouts/samples.jsonl         a few sample rollouts per step, for people
+  weights/step_<v>/              policy v for the inference server, complete iff STABLE (transport.weights)
+  checkpoints/step_<n>/          trainer state after n steps (primerl.trainer.checkpoint)
+  sft/sft_metrics.json           the SFT warm-start's results, when this run did it
+  inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
+  ledger.json                    the MLflow run that records this directory
+  ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
+  reward.png                     the reward curve (and online evals), drawn at the end of the run
+  driver.lock                    held by the one driver (primerl.train) of this directory
+  eval.json                      primerl.eval's summary (in its own output directory)
+"""
+
+import hashlib
+from pathlib import Path
+
+
+def _step(n: int) -> str:
+    return f"step_{n:06d}"
+
+
+def rollout_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "rollouts" / f"{_step(step)}.safetensors"
+
+
+def samples_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "rollouts" / "samples.jsonl"
+
+
+def weights_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "weights"
+
+
+def weights_path(run_dir: str | Path, version: int) -> Path:
+    return weights_root(run_dir) / _step(version)
+
+
+def checkpoints_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_root(run_dir) / _step(step)
+
+
+def step_of(path: str | Path) -> int:
+    """n of a `step_<n>` name (a rollout file, weight or checkpoint directory)."""
+    return int(Path(path).name.split(".")[0].split("_")[1])
+
+
+def metrics_path(run_dir: str | Path, process: str) -> Path:
+    return Path(run_dir) / "metrics" / f"{process}.jsonl"
+
+
+def log_path(run_dir: str | Path, process: str) -> Path:
+    return Path(run_dir) / "logs" / f"{process}.log"
+
+
+def sft_run_dir(run_dir: str | Path) -> Path:
+    """Where a run's own SFT warm-start process writes (its checkpoint goes to the shared cache)."""
+    return Path(run_dir) / "sft"
+
+
+def sft_metrics_path(output_dir: str | Path) -> Path:
+    """Written by `primerl.sft` into its output directory (`sft_run_dir(run)` under `primerl.train`)."""
+    return Path(output_dir) / "sft_metrics.json"
+
+
+def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
+    """SLURM: where inference job `job` (of launcher.inference_jobs) advertises its node and first port."""
+    return Path(run_dir) / ("inference_address.json" if job == 0 else f"inference_address.{job}.json")
+
+
+def ledger_record_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ledger.json"
+
+
+def ledger_offsets_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ledger_offsets.json"
+
+
+def reward_plot_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "reward.png"
+
+
+def driver_lock_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "driver.lock"
+
+
+def eval_summary_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "eval.json"
+
+
+def vllm_scratch_prefix(run_dir: str | Path) -> str:
+    """Name prefix of the private temp dirs of this run's vLLM servers (in the system temp dir: vLLM's ZMQ socket
+    paths must stay short), so a rerun can find and remove what a killed server left."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return f"primerl-vllm-{key}-"

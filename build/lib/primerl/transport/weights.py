@@ -1,0 +1,40 @@
+"""Trainer -> inference: policy version v is the HF directory `weights_path(run, v)`, loaded only once STABLE.
+
+The inference server loads weights by path (primerl.inference.worker_extension), and only from below the run's own
+weights directory, which it is told through `WEIGHTS_DIR_ENV`. Clients name the policy `SERVED_MODEL_NAME`, not a
+path that changes with every version. This module imports no torch: vLLM's workers import it.
+"""
+
+import shutil
+from pathlib import Path
+
+from primerl.transport.atomic import latest_stable
+from primerl.transport.run_dir import weights_path, weights_root
+
+SERVED_MODEL_NAME = "policy"
+WEIGHTS_DIR_ENV = "PRIMERL_WEIGHTS_DIR"
+
+
+def latest_stable_version(run_dir: str | Path) -> int | None:
+    """The newest published policy version, if any."""
+    return latest_stable(weights_root(run_dir))
+
+
+def inside(path: str | Path, root: str | Path) -> bool:
+    """Whether `path` lies strictly below `root` once both are resolved (`..` and symlinks followed)."""
+    path, root = Path(path).resolve(), Path(root).resolve()
+    return path != root and path.is_relative_to(root)
+
+
+def versions_to_keep(async_level: int) -> int:
+    """How many of the newest published versions the trainer keeps. When it publishes v, batch v-1 was cut while the
+    orchestrator served a policy no older than v-1-async_level; that is the oldest version a replica coming back may
+    be asked to load (the one the others serve). So v-1-async_level .. v stay: async_level + 2 versions."""
+    return async_level + 2
+
+
+def drop_old_version(run_dir: str | Path, published: int, keep: int) -> None:
+    """After publishing `published`, remove the version that fell out of the newest `keep`."""
+    old = published - keep
+    if old > 0:
+        shutil.rmtree(weights_path(run_dir, old), ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Helpers every process may import (no process imports another process's package)."""

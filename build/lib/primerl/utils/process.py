@@ -1,0 +1,59 @@
+"""Operating-system helpers every process may need: stopping process groups, picking a free port."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port that is free now, with the `count - 1` ports after it free too (replicas on consecutive ports)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+        if first + count - 1 <= 65535 and all(_bindable(host, first + i) for i in range(1, count)):
+            return first
+
+
+def _bindable(host: str, port: int, reuse_address: bool = False) -> bool:
+    with socket.socket() as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on `host:port` now. With SO_REUSEADDR, as servers bind: connections of a stopped
+    server still in TIME_WAIT do not count, since they do not keep a new server from binding."""
+    return not _bindable(host, port, reuse_address=True)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process_groups(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM each live process's group, wait up to `grace_s` in all, then SIGKILL every group: grandchildren
+    (vLLM's engine core, torchrun's ranks) may outlive their parent's exit. Each process must lead its own group
+    (started with `start_new_session=True`)."""
+    alive = [p for p in processes if p.poll() is None]
+    for process in alive:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in alive:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)
+        process.wait()
