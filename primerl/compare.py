@@ -9,6 +9,7 @@ settings that differ between them and their final metrics, and writes a PNG of t
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -82,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n" + __doc__.split("\n\n")[2],
     )
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: the sqlite store in --store-dir)")
+    parser.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the sqlite store in --store-dir)",
+    )
     parser.add_argument(
         "--store-dir", default="outputs", help="where the embedded store mlflow.db lives (default: %(default)s)"
     )
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    uri = args.tracking_uri or default_uri(args.store_dir)
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(args.store_dir)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         print(f"compare: no ledger at {uri}", file=sys.stderr)
         return 2

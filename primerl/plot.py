@@ -4,6 +4,9 @@ from pathlib import Path
 
 import matplotlib
 
+from primerl.metrics import EVAL, ORCHESTRATOR, OrchestratorMetric, read_metrics
+from primerl.transport.run_dir import reward_plot_path
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -28,3 +31,17 @@ def plot_curves(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def reward_plot(run_dir: Path, title: str) -> Path | None:
+    """The training reward per step, and each online eval's mean reward at the policy versions it scored."""
+    reward = OrchestratorMetric.REWARD_MEAN
+    points = [(r["step"], r[reward]) for r in read_metrics(run_dir, ORCHESTRATOR) if r.get(reward) is not None]
+    if not points:
+        return None
+    curves = {reward: points}
+    for row in read_metrics(run_dir, EVAL):
+        for key, value in row.items():
+            if key.endswith("/reward_mean") and value is not None:
+                curves.setdefault(f"eval {key.removesuffix('/reward_mean')}", []).append((row["step"], value))
+    return plot_curves(curves, reward_plot_path(run_dir), title=title)

@@ -1,6 +1,7 @@
 """The MLflow ledger on real stores: embedded sqlite, resume, sweep parent/children, a real `mlflow server`, compare."""
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -272,3 +273,27 @@ def test_multirun_sweep_records_parent_and_children(cache_dir, tmp_path):
         timeout=120,
     )
     assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout
+
+
+def test_mlflow_environment_variables_are_honoured_and_the_config_wins(tmp_path, monkeypatch, caplog):
+    """MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME choose the store and experiment when the config does not; a
+    ledger.* value set in the config wins over them, and the run says so."""
+    caplog.set_level(logging.INFO)
+    elsewhere = f"sqlite:///{tmp_path / 'env-store' / 'mlflow.db'}"
+    (tmp_path / "env-store").mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    cfg, resolved = _cfg(tmp_path, "name=env_test")
+    ledger = Ledger.open(cfg, resolved, tmp_path / "run1")
+    client = MlflowClient(elsewhere)
+    assert ledger.client.tracking_uri == elsewhere
+    assert client.get_experiment(client.get_run(ledger.run_id).info.experiment_id).name == "from-env"
+    assert not (tmp_path / "store" / "mlflow.db").exists()  # the embedded store was not used
+    ledger.finish()
+    cfg, resolved = _cfg(tmp_path, "name=env_test", "ledger.experiment_name=from-config")
+    ledger = Ledger.open(cfg, resolved, tmp_path / "run2")
+    assert client.get_experiment(client.get_run(ledger.run_id).info.experiment_id).name == "from-config"
+    assert (
+        "ledger.experiment_name=from-config (from the config) overrides MLFLOW_EXPERIMENT_NAME=from-env" in caplog.text
+    )
+    ledger.finish()

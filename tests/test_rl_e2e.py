@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,7 +70,14 @@ def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
         run, "orchestrator.async_level=1", "eval.every=2", "eval.num_tasks=8", "eval.samples_per_task=2", "eval.k=2"
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "step 3/3" in result.stdout
+    # the driver says what happens: vLLM's start, each step with its ETA, each online eval, a summary at the end
+    assert "inference servers and envs starting" in result.stdout
+    assert re.search(
+        r"step 3/3  reward [\d.]+ .* failed \d+  lag [\d.]+ .* elapsed \d+m\d\ds  eta 0m00s", result.stdout
+    )
+    assert "eval of policy v2: primerl-reverse-text reward" in result.stdout
+    assert re.search(r"done in \d+m\d\ds: reward [\d.]+ -> [\d.]+ over 3 steps", result.stdout)
+    assert "MLflow run " in result.stdout and (run / "reward.png").exists()
     evals = read_metrics(run, "eval")
     assert [r["step"] for r in evals] == [0, 2, 3]
     assert all(r["primerl-reverse-text/rollouts"] + r["primerl-reverse-text/failures"] == 16 for r in evals)

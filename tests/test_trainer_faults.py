@@ -68,7 +68,7 @@ def _one_line_error(result, fragment: str) -> None:
 
 
 def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, tmp_path, caplog):
-    from primerl.launch.supervise import _print_progress
+    from primerl.launch.progress import Progress
 
     nan = math.nan
     _write_batches(cache_dir, tmp_path, [None, nan, None, nan, nan, nan])
@@ -86,7 +86,9 @@ def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, 
     assert latest_checkpoint(tmp_path) == 5 and not weights_path(tmp_path, 6).exists()
     # the driver's progress lines over these rows: the skipped steps show nan, and nothing stops it
     caplog.set_level(logging.INFO)
-    assert _print_progress(tmp_path, check(_args(cache_dir, tmp_path, 6)), 0) == 5
+    progress = Progress(tmp_path, check(_args(cache_dir, tmp_path, 6)))
+    progress.poll()
+    assert progress.steps_shown == 5
     assert "step 2/6  reward nan  loss nan" in caplog.text and "step 3/6" in caplog.text
 
 

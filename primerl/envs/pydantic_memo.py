@@ -10,14 +10,24 @@ Upstream: pydantic/pydantic#13376 (the same for PrivateAttr).
 
 from collections.abc import Callable
 
-from pydantic._internal import _fields
+import pydantic
 
+from primerl.utils.log import get_logger
+
+log = get_logger(__name__)
 _answers: dict[Callable, bool] = {}
 
 
 def memoize_default_factory_check() -> None:
-    """Idempotent; factories that cannot be hashed are checked every time, as before."""
-    original = _fields.takes_validated_data_argument
+    """Idempotent; factories that cannot be hashed are checked every time. On a pydantic without the private function
+    this memoises, a warning, and rollouts run unmemoised (slower, the same results)."""
+    try:
+        from pydantic._internal import _fields
+
+        original = _fields.takes_validated_data_argument
+    except (ImportError, AttributeError):
+        log.warning(f"pydantic {pydantic.VERSION}: no default-factory check to memoise; rollouts run without it")
+        return
     if getattr(original, "_primerl_memo", False):
         return
 

@@ -1,7 +1,7 @@
 """The run loop every launcher shares: SFT warm-start if needed, start the topology, watch it, stop it.
 
 A launcher places the processes (local children, SLURM jobs); this loop does the rest the same way for all of them:
-progress (one line per trainer step), the ledger (metrics as they appear, artifacts at the end, whatever happened),
+progress (primerl.launch.progress), the ledger (metrics as they appear, artifacts at the end, whatever happened),
 and stopping everything on the first failure, on Ctrl-C or on SIGTERM.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from primerl.config.schema import RunConfig
-from primerl.metrics import ORCHESTRATOR, TRAINER, OrchestratorMetric, TrainerMetric, read_metrics
+from primerl.launch.progress import Progress
 from primerl.transport.run_dir import sft_metrics_path, sft_run_dir
 from primerl.utils.log import get_logger
 
@@ -66,12 +66,14 @@ def sft_needed(cfg: RunConfig) -> bool:
 def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledger: "Ledger | None" = None) -> None:
     from primerl.ledger.follower import MetricsFollower
     from primerl.ledger.record import record_artifacts, record_sft
+    from primerl.plot import reward_plot
 
     run_dir = Path(cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None
+    progress, finished = Progress(run_dir, cfg), False
     try:
         if sft_needed(cfg):
             # the train run's ledger records the SFT results; the SFT process keeps none of its own
@@ -80,38 +82,23 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
             record_sft(ledger, sft_metrics_path(sft_run_dir(run_dir)))
         launcher.start(overrides)
         log.info(f"run directory {run_dir} (logs in {run_dir / 'logs'})")
-        shown = 0
         while not launcher.finished():
-            shown = _print_progress(run_dir, cfg, shown)
+            progress.poll()
             if follower:
                 follower.poll()
             time.sleep(launcher.poll_s)
-        _print_progress(run_dir, cfg, shown)
-        log.info(f"done; {cfg.trainer.max_steps} steps in {run_dir}")
+        progress.poll()
+        finished = True
     finally:
         launcher.stop_all()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        try:  # with or without the ledger
+            reward_plot(run_dir, f"{cfg.name}: mean reward per step")
+        except Exception as err:  # noqa: BLE001 - a figure never hides the run's own outcome
+            log.warning(f"could not draw the reward curve: {type(err).__name__}: {err}")
         if follower and ledger:  # whatever happened, the record keeps everything produced so far
             follower.poll()
             record_artifacts(ledger, cfg, run_dir)
-
-
-def _print_progress(run_dir: Path, cfg: RunConfig, shown: int) -> int:
-    orch = {row["step"]: row for row in read_metrics(run_dir, ORCHESTRATOR)}
-    trainer_rows = read_metrics(run_dir, TRAINER)
-    for row in trainer_rows[shown:]:
-        o = orch.get(row["step"], {})
-        log.info(
-            f"step {row['step'] + 1}/{cfg.trainer.max_steps}  reward {_shown(o.get(OrchestratorMetric.REWARD_MEAN), '.3f')}"
-            f"  loss {_shown(row.get(TrainerMetric.LOSS), '+.4f')}"
-            f"  mismatch_kl {_shown(row.get(TrainerMetric.MISMATCH_KL), '.1e')}"
-            f"  gen {_shown(o.get(OrchestratorMetric.GENERATE_S), '.1f')}s  train {_shown(row.get(TrainerMetric.STEP_S), '.1f')}s"
-        )
-    return len(trainer_rows)
-
-
-def _shown(value: float | None, spec: str) -> str:
-    """A metric in the progress line. A non-finite value is stored as null (primerl.metrics): a step whose update was
-    skipped for a NaN loss shows `nan` and the run goes on."""
-    return "nan" if value is None else format(value, spec)
+    if finished:
+        progress.summary(ledger)

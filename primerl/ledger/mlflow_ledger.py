@@ -15,6 +15,7 @@
 import getpass
 import json
 import math
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,16 +30,37 @@ from primerl.ledger.system_info import system_tags
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import ledger_record_path
 from primerl.utils.locks import locked
+from primerl.utils.log import get_logger
 
 MAX_PARAM_CHARS = 6000
+log = get_logger(__name__)
+
+
+def _configured(key: str, value: str | None, variable: str) -> str | None:
+    """The config's value, else the environment variable's; says so when the config overrides a different one."""
+    from_env = os.environ.get(variable)
+    if value and from_env and from_env != value:
+        log.info(f"ledger.{key}={value} (from the config) overrides {variable}={from_env}")
+    return value or from_env
+
+
+def embedded_store(cfg: RunConfig) -> Path | None:
+    """The embedded store's directory, or None when the run records to a tracking URI."""
+    if _configured("tracking_uri", cfg.ledger.tracking_uri, "MLFLOW_TRACKING_URI"):
+        return None
+    return Path(cfg.ledger.store_dir).resolve()
 
 
 def tracking_uri(cfg: RunConfig) -> str:
-    if cfg.ledger.tracking_uri:
-        return cfg.ledger.tracking_uri
-    store = Path(cfg.ledger.store_dir).resolve()
+    store = embedded_store(cfg)
+    if store is None:
+        return _configured("tracking_uri", cfg.ledger.tracking_uri, "MLFLOW_TRACKING_URI")
     store.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def experiment_name(cfg: RunConfig) -> str:
+    return _configured("experiment_name", cfg.ledger.experiment_name, "MLFLOW_EXPERIMENT_NAME") or cfg.name
 
 
 def flatten(tree: object, prefix: str = "") -> dict[str, str]:
@@ -114,11 +136,11 @@ class Ledger:
         job_num: int | None = None,
     ) -> "Ledger":
         """Start (or, when `<run_dir>/ledger.json` exists, resume) this run's MLflow run."""
-        store_dir = None if cfg.ledger.tracking_uri else Path(cfg.ledger.store_dir).resolve()
+        store_dir = embedded_store(cfg)
         # the first user of a new embedded store creates its tables; sweep jobs start together: one at a time
         with locked(store_dir / "mlflow.db") if store_dir else nullcontext():
             client = MlflowClient(tracking_uri(cfg))
-            experiment = _experiment_id(client, cfg.ledger.experiment_name, store_dir)
+            experiment = _experiment_id(client, experiment_name(cfg), store_dir)
         record = ledger_record_path(run_dir)
         if record.exists():
             run_id = json.loads(record.read_text())["run_id"]

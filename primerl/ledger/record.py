@@ -5,8 +5,6 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.ledger.mlflow_ledger import Ledger
-from primerl.metrics import EVAL, ORCHESTRATOR, OrchestratorMetric, read_metrics
-from primerl.plot import plot_curves
 from primerl.transport.run_dir import reward_plot_path, samples_path, weights_path
 from primerl.transport.weights import latest_stable_version
 
@@ -25,26 +23,11 @@ def record_sft(ledger: Ledger, metrics_file: Path) -> None:
     ledger.set_tags({"checkpoint.sft": sft.get("checkpoint", "")})
 
 
-def reward_plot(run_dir: Path, title: str) -> Path | None:
-    """The training reward per step, and each online eval's mean reward at the policy versions it scored."""
-    reward = OrchestratorMetric.REWARD_MEAN
-    points = [(r["step"], r[reward]) for r in read_metrics(run_dir, ORCHESTRATOR) if r.get(reward) is not None]
-    if not points:
-        return None
-    curves = {reward: points}
-    for row in read_metrics(run_dir, EVAL):
-        for key, value in row.items():
-            if key.endswith("/reward_mean") and value is not None:
-                curves.setdefault(f"eval {key.removesuffix('/reward_mean')}", []).append((row["step"], value))
-    return plot_curves(curves, reward_plot_path(run_dir), title=title)
-
-
 def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
     """The overrides, the reward plot, sample rollouts every `ledger.sample_every` steps, checkpoint paths."""
     ledger.log_artifact(run_dir / ".hydra" / "overrides.yaml", "config")
-    plot = reward_plot(run_dir, f"{cfg.name}: mean reward per step")
-    if plot is not None:
-        ledger.log_artifact(plot)
+    if reward_plot_path(run_dir).exists():  # drawn by the run loop at the end (primerl.launch.supervise)
+        ledger.log_artifact(reward_plot_path(run_dir))
     samples_file = samples_path(run_dir)
     if samples_file.exists():
         by_step: dict[int, list[dict]] = {}

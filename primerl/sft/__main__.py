@@ -98,6 +98,8 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
         bar.update()
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
         if stop_reached(losses, cfg.sft.stop_loss):
+            bar.total = step + 1  # the bar ends where SFT ends, not at sft.steps
+            bar.refresh()
             if info.is_main:
                 log.info(
                     f"stopping at step {step + 1}: mean loss of the last {STOP_WINDOW} steps "
