@@ -1,5 +1,6 @@
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,35 @@ def model_samples(model_dir: str, n: int = 24, advantage=None) -> list:
         adv = (-1) ** i * (0.5 + i / n) if advantage is None else advantage
         samples.append(Sample(ex.input_ids, ex.loss_mask, logprobs, 1.0, adv, 0))
     return samples
+
+
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def wandb_offline_records(run_dir) -> tuple[list[dict], dict] | None:
+    """(history rows, config) of the one offline W&B run under `run_dir`, read from its `.wandb` file: a LevelDB-style
+    log (a 7-byte file header, 32 KiB blocks of records each with a crc32, a length and a type) of protobuf records.
+    None until W&B's own process has written the run's exit record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data, pos, block, pending = path.read_bytes(), 7, 32768, b""
+    history, config, ended = [], {}, False
+    while pos + 7 <= len(data):
+        if block - pos % block < 7 or data[pos + 6] == 0:  # the rest of a block is padding
+            pos = (pos // block + 1) * block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending, pos = pending + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a FULL record, or the LAST part of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            which = record.WhichOneof("record_type")
+            ended = ended or which == "exit"
+            if which == "history":
+                history.append({_key(item): json.loads(item.value_json) for item in record.history.item})
+            for update in {"run": record.run.config.update, "config": record.config.update}.get(which, []):
+                config[_key(update)] = json.loads(update.value_json)
+    return (history, config) if ended else None

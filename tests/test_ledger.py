@@ -16,7 +16,8 @@ from primerl.ledger.follower import MetricsFollower
 from primerl.ledger.mlflow_ledger import Ledger, flatten
 from primerl.metrics import append_metrics
 from primerl.utils.process import free_port
-from tests.conftest import run_module, sweep_children
+from primerl.utils.wait import wait_until
+from tests.conftest import run_module, sweep_children, wandb_offline_records
 
 
 def _cfg(tmp_path, *overrides):
@@ -57,7 +58,7 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
 
     append_metrics(run_dir, "trainer", 0, {"loss": 0.5})
     append_metrics(run_dir, "trainer", 1, {"loss": 0.25, "bad": float("nan")})
-    MetricsFollower(ledger).poll()
+    MetricsFollower(ledger.run_dir, [ledger]).poll()
     ledger.finish("FAILED")  # e.g. the trainer was killed
     system = client.get_metric_history(ledger.run_id, "system/cpu_utilization_percentage")
     assert system and all(0 <= m.value <= 100 for m in system)
@@ -67,7 +68,7 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
     assert resumed.run_id == ledger.run_id
     assert client.get_run(ledger.run_id).info.status == "RUNNING"
     append_metrics(run_dir, "trainer", 2, {"loss": 0.125})
-    MetricsFollower(resumed).poll()  # forwards only the new line
+    MetricsFollower(resumed.run_dir, [resumed]).poll()  # forwards only the new line
     history = client.get_metric_history(ledger.run_id, "trainer/loss")
     assert [(m.step, m.value) for m in history] == [(0, 0.5), (1, 0.25), (2, 0.125)]
     assert client.get_metric_history(ledger.run_id, "trainer/bad") == []  # NaN is not a metric
@@ -112,18 +113,20 @@ def test_sampled_rollouts_become_traces_exactly_once(tmp_path):
     samples.parent.mkdir(parents=True)
     rows = [_sample_row(step, turns) for step, turns in ((0, 3), (1, 1), (2, 2))]
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + '{"torn')
-    MetricsFollower(ledger, sample_every=2).poll()  # step 0 only: step 1 is not sampled, the torn line waits
+    # step 0 only: step 1 is not sampled, the torn line waits
+    MetricsFollower(ledger.run_dir, [ledger], sample_every=2).poll()
     with samples.open("r+") as f:  # the writer finishes its line... as a restarted writer would: on a fresh one
         f.seek(0, 2)
         f.write("\n" + json.dumps(rows[2]) + "\n")
-    MetricsFollower(ledger, sample_every=2).poll()  # a resumed driver: step 2 once, step 0 not again
+    MetricsFollower(ledger.run_dir, [ledger], sample_every=2).poll()  # a resumed driver: step 2 once, step 0 not again
     client = ledger.client
     traces = client.search_traces(locations=[ledger.experiment_id], run_id=ledger.run_id, order_by=["timestamp_ms ASC"])
     assert [t.info.tags["primerl.step"] for t in traces] == ["0", "2"]
     spans = {s.name: s for s in traces[0].data.spans}
     root = spans["rollout"]
     assert root.attributes["reward"] == 0.5 and root.attributes["policy_version.last"] == 1
-    assert root.attributes["metric.turns"] == 3.0 and root.inputs["task"] == "t0"
+    assert root.attributes["metric.turns"] == 3.0 and root.attributes["task"] == "t0"
+    assert root.inputs == {"prompt": rows[0]["prompt"]}  # what the trace list's Request column shows
     assert sorted(spans) == ["rollout", "tool c0", "turn 1", "turn 2", "turn 3"]
     assert spans["turn 1"].span_type == "LLM" and spans["tool c0"].span_type == "TOOL"
     assert spans["turn 1"].outputs["tool_calls"][0]["name"] == "lookup" and spans["tool c0"].outputs["content"] == "x=3"
@@ -215,7 +218,7 @@ def test_real_mlflow_server_on_loopback(tmp_path):
         samples = tmp_path / "run" / "rollouts" / "samples.jsonl"
         samples.parent.mkdir(parents=True)
         samples.write_text(json.dumps(_sample_row(0, 2)) + "\n")
-        MetricsFollower(ledger, sample_every=1).poll()
+        MetricsFollower(ledger.run_dir, [ledger], sample_every=1).poll()
         ledger.finish()
         # what the web UI's Traces tab asks the server (MLflow 3.17's JS bundle: POST ajax-api/3.0/mlflow/traces/search)
         found = httpx.post(
@@ -296,4 +299,69 @@ def test_mlflow_environment_variables_are_honoured_and_the_config_wins(tmp_path,
     assert (
         "ledger.experiment_name=from-config (from the config) overrides MLFLOW_EXPERIMENT_NAME=from-env" in caplog.text
     )
+    ledger.finish()
+
+
+def test_wandb_offline_records_the_same_params_metrics_and_samples_beside_mlflow(tmp_path, monkeypatch):
+    """ledger=mlflow_wandb: both trackers get every row once, in W&B's offline mode (no network); a resumed run
+    continues the same W&B run."""
+    from primerl.ledger.record import record_sft
+    from primerl.ledger.wandb_tracker import WandbTracker
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg, resolved = _cfg(tmp_path, "name=wandb_test", "ledger=mlflow_wandb", "ledger.wandb.mode=offline")
+    run_dir = tmp_path / "run"
+    ledger, wandb = Ledger.open(cfg, resolved, run_dir), WandbTracker.open(cfg, resolved, run_dir)
+    append_metrics(run_dir, "orchestrator", 0, {"reward/mean": 0.25})
+    append_metrics(run_dir, "trainer", 0, {"loss": 0.5})
+    append_metrics(run_dir, "trainer", 1, {"loss": 0.125, "grad_norm": float("nan")})
+    (run_dir / "rollouts").mkdir()
+    sample = {"step": 0, "task": "t0", "prompt": "user: abc", "completion": "cba", "reward": 1.0, "messages": []}
+    (run_dir / "rollouts" / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    (tmp_path / "sft.json").write_text(json.dumps({"losses": [2.0, 1.0], "loss_final": 1.0, "train_wall_s": 3.0}))
+    MetricsFollower(run_dir, [ledger, wandb]).poll()
+    for tracker in (ledger, wandb):
+        record_sft(tracker, tmp_path / "sft.json")
+    run_id = wandb.run.id
+    ledger.finish()
+    wandb.finish()
+    history, config = wait_until(lambda: wandb_offline_records(run_dir), "W&B's offline record", timeout_s=60)
+    trainer = [(row["trainer/step"], row["trainer/loss"]) for row in history if "trainer/loss" in row]
+    assert trainer == [(0, 0.5), (1, 0.125)] and not any("trainer/grad_norm" in row for row in history)  # NaN: none
+    assert [row["orchestrator/reward/mean"] for row in history if "orchestrator/reward/mean" in row] == [0.25]
+    assert [row["sft/loss"] for row in history if "sft/loss" in row] == [2.0, 1.0]
+    (table,) = [row for row in history if "rollouts/samples/_type" in row]  # a table: its fields, flattened
+    assert table["rollouts/samples/_type"] == "table-file" and table["rollouts/samples/nrows"] == 1
+    assert config["name"] == "wandb_test" and config["trainer.max_steps"] == "20"  # the flattened config, as MLflow's
+    assert config["sft.result.loss_final"] == "1"
+    history = MlflowClient(ledger.client.tracking_uri).get_metric_history(ledger.run_id, "trainer/loss")
+    assert [m.value for m in history] == [0.5, 0.125]  # MLflow got the same rows
+    resumed = WandbTracker.open(cfg, resolved, run_dir)
+    assert resumed.run.id == run_id
+    resumed.finish()
+
+
+def test_a_torn_samples_line_is_left_out_of_the_record_not_fatal(tmp_path, caplog):
+    """A kill mid-append leaves a torn line in rollouts/samples.jsonl: the end-of-run record skips it with a warning,
+    keeps the other rows, and names the final policy among the run's logged models once however often it runs."""
+    from primerl.ledger.record import record_artifacts
+    from primerl.transport.atomic import atomic_dir
+    from primerl.transport.run_dir import weights_path
+
+    cfg, resolved = _cfg(tmp_path, "name=torn_test")
+    run_dir = tmp_path / "run"
+    ledger = Ledger.open(cfg, resolved, run_dir)
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "overrides.yaml").write_text("[]\n")
+    (run_dir / "rollouts").mkdir()
+    good = {"step": 0, "task": "t0", "prompt": "p", "completion": "c", "reward": 1.0}
+    (run_dir / "rollouts" / "samples.jsonl").write_text(json.dumps(good) + '\n{"step": 1, "tas\n')
+    with atomic_dir(weights_path(run_dir, 2)) as staging:
+        (staging / "config.json").write_text("{}")
+    record_artifacts(ledger, cfg, run_dir)
+    record_artifacts(ledger, cfg, run_dir)  # a resumed driver records again
+    assert "line 2 is not a sample row; left out of the record" in caplog.text
+    assert [a.path for a in ledger.client.list_artifacts(ledger.run_id, "samples")] == ["samples/step_000000.json"]
+    models = ledger.client.search_logged_models([ledger.experiment_id], f"source_run_id = '{ledger.run_id}'")
+    assert [(m.name, m.tags["primerl.policy_version"]) for m in models] == [("policy-v2", "2")]
     ledger.finish()

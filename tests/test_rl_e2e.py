@@ -17,7 +17,8 @@ from primerl.transport.atomic import is_stable
 from primerl.transport.batches import read_rollout_batch
 from primerl.transport.run_dir import rollout_path, weights_path
 from primerl.utils.process import free_port
-from tests.conftest import ROOT, run_module
+from primerl.utils.wait import wait_until
+from tests.conftest import ROOT, run_module, wandb_offline_records
 
 pytestmark = pytest.mark.slow
 
@@ -142,6 +143,9 @@ def _check_ledger(run, trainer_rows):
     traces = client.search_traces(locations=[record["experiment_id"]], run_id=record["run_id"])
     assert len(traces) == len([s for s in sampled if s["step"] % 5 == 0]) > 0
     assert (run / "reward.png").stat().st_size > 1000
+    # the final policy among the run's logged models, a reference to its weights directory
+    (model,) = client.search_logged_models([record["experiment_id"]], f"source_run_id = '{record['run_id']}'")
+    assert model.name == "policy-v3" and model.tags["primerl.weights_dir"] == tags["checkpoint.final"]
 
 
 def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
@@ -320,9 +324,14 @@ def _loopback(address: str) -> bool:
 
 def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_dir, tmp_path):
     """async_level=0: batch n comes from policy n. Ctrl-C mid-run stops every process; nothing listened beyond
-    loopback; what was produced stays."""
+    loopback; what was produced stays, in the run directory and in its W&B record (ledger=wandb, offline)."""
     run = tmp_path / "interrupted"
-    overrides = (f"inference.port={free_port()}", "ledger.enabled=false", "orchestrator.async_level=0")
+    overrides = (
+        f"inference.port={free_port()}",
+        "ledger=wandb",
+        "ledger.wandb.mode=offline",
+        "orchestrator.async_level=0",
+    )
     with _run_until_trainer_step(run, 2, *overrides) as train:
         opened = _listening(_descendants(train.pid))  # vLLM and its engine, the interception server, the trainer
         assert opened and all(_loopback(address) for address, _ in opened), sorted(opened)
@@ -335,6 +344,9 @@ def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_
     assert [r["policy_version"] for r in orch[:2]] == [0.0, 1.0]  # batch n comes from policy n
     assert all(r["off_policy/max"] == 0 and r["off_policy/span_max"] == 0 for r in orch)
     assert rollout_path(run, 0).exists() and rollout_path(run, 1).exists()  # what was produced stays
+    history, config = wait_until(lambda: wandb_offline_records(run), "W&B's offline record", timeout_s=60)
+    assert [row["trainer/step"] for row in history if "trainer/loss" in row][:2] == [0, 1]
+    assert config["orchestrator.async_level"] == "0" and not (run / "ledger.json").exists()  # W&B only
 
 
 def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):

@@ -23,7 +23,7 @@ def validate(cfg: RunConfig) -> None:
     """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
     first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
     check_bounds(cfg)
-    for check in (_orchestrator, _inference, _model, _data, _parallelism, _launcher):
+    for check in (_orchestrator, _inference, _model, _data, _parallelism, _launcher, _ledger):
         check(cfg)
 
 
@@ -131,6 +131,11 @@ def _parallelism(cfg: RunConfig) -> None:
         raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
     if par.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
+
+
+def _ledger(cfg: RunConfig) -> None:
+    if cfg.ledger.wandb.mode not in ("online", "offline", "disabled"):
+        raise ConfigError("ledger.wandb.mode", f"'{cfg.ledger.wandb.mode}' is not one of [online, offline, disabled]")
 
 
 def _launcher(cfg: RunConfig) -> None:

@@ -25,7 +25,7 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
     130 on Ctrl-C, every process stopped."""
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("output_dir=")]
-    ledger, status = None, "FAILED"
+    ledger, wandb, status = None, None, "FAILED"
     run_dir = Path(cfg.output_dir).resolve()
     driver_lock = claim_run_dir(run_dir)  # one driver per run directory
     try:
@@ -33,7 +33,11 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
             clear_leftovers(run_dir)  # what a driver killed -9 left: processes, temporaries
         preflight(cfg)
         ledger = open_ledger(cfg, dict_cfg, hydra_cfg) if cfg.ledger.enabled else None
-        run_topology(cfg, overrides, make_launcher(cfg), ledger)
+        if cfg.ledger.wandb.enabled:
+            from primerl.ledger.wandb_tracker import WandbTracker
+
+            wandb = WandbTracker.open(cfg, dict_cfg, run_dir)
+        run_topology(cfg, overrides, make_launcher(cfg), ledger, wandb)
         status = "FINISHED"
     except ChildFailed as err:
         log.error(str(err))
@@ -43,8 +47,9 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
         log.error("interrupted; all processes stopped")
         sys.exit(130)
     finally:
-        if ledger is not None:
-            ledger.finish(status)
+        for tracker in (ledger, wandb):
+            if tracker is not None:
+                tracker.finish(status)
         driver_lock.close()
     return final_reward(cfg)
 

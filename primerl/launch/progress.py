@@ -19,6 +19,7 @@ from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
     from primerl.ledger.mlflow_ledger import Ledger
+    from primerl.ledger.wandb_tracker import WandbTracker
 
 log = get_logger("train")
 NOTE_EVERY_S = 15.0
@@ -81,7 +82,7 @@ class Progress:
             f"  elapsed {duration(elapsed)}  eta {eta}"
         )
 
-    def summary(self, ledger: "Ledger | None") -> None:
+    def summary(self, ledger: "Ledger | None", wandb: "WandbTracker | None" = None) -> None:
         """The run's last lines: what it did and where to look."""
         reward = [
             r[M.REWARD_MEAN] for r in read_metrics(self.run_dir, ORCHESTRATOR) if r.get(M.REWARD_MEAN) is not None
@@ -99,6 +100,8 @@ class Progress:
                 f"MLflow run {ledger.run_id}: mlflow ui --backend-store-uri {ledger.client.tracking_uri}, then open "
                 "http://127.0.0.1:5000"
             )
+        if wandb is not None:
+            log.info(f"W&B run: {wandb.where()}")
 
 
 def eval_summary(row: dict) -> str:

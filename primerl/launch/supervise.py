@@ -19,6 +19,7 @@ log = get_logger("train")
 
 if TYPE_CHECKING:
     from primerl.ledger.mlflow_ledger import Ledger
+    from primerl.ledger.wandb_tracker import WandbTracker
 
 
 class Launcher(Protocol):
@@ -63,7 +64,14 @@ def sft_needed(cfg: RunConfig) -> bool:
     return True
 
 
-def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledger: "Ledger | None" = None) -> None:
+def run_topology(
+    cfg: RunConfig,
+    overrides: list[str],
+    launcher: Launcher,
+    ledger: "Ledger | None" = None,
+    wandb: "WandbTracker | None" = None,
+) -> None:
+    """Run the topology to its end; `ledger` (MLflow) and `wandb` record it as it goes."""
     from primerl.ledger.follower import MetricsFollower
     from primerl.ledger.record import record_artifacts, record_sft
     from primerl.plot import reward_plot
@@ -72,14 +80,15 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
     run_dir.mkdir(parents=True, exist_ok=True)
     # Ctrl-C and SIGTERM both stop the run, even when started with SIGINT ignored (a background job of a shell)
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    follower = MetricsFollower(ledger, sample_every=cfg.ledger.sample_every) if ledger else None
+    trackers = [tracker for tracker in (ledger, wandb) if tracker is not None]
+    follower = MetricsFollower(run_dir, trackers, cfg.ledger.sample_every) if trackers else None
     progress, finished = Progress(run_dir, cfg), False
     try:
         if sft_needed(cfg):
             # the train run's ledger records the SFT results; the SFT process keeps none of its own
             launcher.run_sft([*overrides, "ledger.enabled=false"])
-        if ledger:
-            record_sft(ledger, sft_metrics_path(sft_run_dir(run_dir)))
+        for tracker in trackers:
+            record_sft(tracker, sft_metrics_path(sft_run_dir(run_dir)))
         launcher.start(overrides)
         log.info(f"run directory {run_dir} (logs in {run_dir / 'logs'})")
         while not launcher.finished():
@@ -97,8 +106,9 @@ def run_topology(cfg: RunConfig, overrides: list[str], launcher: Launcher, ledge
             reward_plot(run_dir, f"{cfg.name}: mean reward per step")
         except Exception as err:  # noqa: BLE001 - a figure never hides the run's own outcome
             log.warning(f"could not draw the reward curve: {type(err).__name__}: {err}")
-        if follower and ledger:  # whatever happened, the record keeps everything produced so far
+        if follower:  # whatever happened, the record keeps everything produced so far
             follower.poll()
+        if ledger:
             record_artifacts(ledger, cfg, run_dir)
     if finished:
-        progress.summary(ledger)
+        progress.summary(ledger, wandb)

@@ -1,8 +1,18 @@
-"""Ledger group: where the MLflow record of each run goes."""
+"""Ledger group: where the record of each run goes: MLflow (`enabled`), W&B (`wandb.enabled`), or both."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from primerl.utils.bounds import bounded
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases, beside or instead of MLflow: the same params, metrics and sampled rollouts."""
+
+    enabled: bool = False
+    project: str | None = None  # None: the MLflow experiment's name (ledger.experiment_name, else the run's name)
+    entity: str | None = None  # None: W&B's default for your login
+    mode: str = "online"  # online | offline (written under <run>/wandb; `wandb sync` uploads it later) | disabled
 
 
 @dataclass
@@ -16,3 +26,4 @@ class LedgerConfig:
     sample_every: int = bounded(5, ge=1)  # log sample rollouts (JSON artifact and MLflow traces) every N steps
     # MLflow's system metrics (CPU, memory, disk, network, GPU) of the launching machine, sampled every N s; 0: off
     system_metrics_s: float = bounded(10.0, ge=0)
+    wandb: WandbConfig = field(default_factory=WandbConfig)

@@ -36,10 +36,14 @@ MAX_PARAM_CHARS = 6000
 log = get_logger(__name__)
 
 
+_said: set[tuple[str, str, str]] = set()
+
+
 def _configured(key: str, value: str | None, variable: str) -> str | None:
     """The config's value, else the environment variable's; says so when the config overrides a different one."""
     from_env = os.environ.get(variable)
-    if value and from_env and from_env != value:
+    if value and from_env and from_env != value and (key, value, from_env) not in _said:
+        _said.add((key, value, from_env))
         log.info(f"ledger.{key}={value} (from the config) overrides {variable}={from_env}")
     return value or from_env
 
@@ -202,6 +206,12 @@ class Ledger:
         ]
         for i in range(0, len(metrics), 500):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 500])
+
+    def log_sample(self, row: dict) -> None:
+        """One sampled rollout as an MLflow trace of this run (primerl.ledger.mlflow_traces)."""
+        from primerl.ledger.mlflow_traces import log_rollout_trace
+
+        log_rollout_trace(self.client, self.run_id, self.experiment_id, row)
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params are write-once in MLflow: keys this run already has are left as they are (a resumed run logs the

@@ -16,6 +16,8 @@ import time
 
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
 
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+
 import mlflow  # noqa: E402 - after the setting above, which mlflow reads when its exporter starts
 from mlflow import MlflowClient  # noqa: E402
 
@@ -26,7 +28,18 @@ def _ns(seconds: float | None) -> int | None:
 
 def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict) -> str:
     """Store one sampled rollout (a samples.jsonl row) as a trace of run `run_id`; returns its trace id."""
+    previous = os.environ.get(TRACKING_URI_ENV)
     mlflow.set_tracking_uri(client.tracking_uri)
+    try:
+        return _log_trace(client, run_id, experiment_id, row)
+    finally:  # MLflow also exports the URI to the environment, where it would reach later runs of this process
+        if previous is None:
+            os.environ.pop(TRACKING_URI_ENV, None)
+        else:
+            os.environ[TRACKING_URI_ENV] = previous
+
+
+def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict) -> str:
     messages = row.get("messages") or []
     first_version, last_version = (row.get("policy_versions") or [None, None])[:2]
     starts = [m["start"] for m in messages if m.get("start")] + [m["end"] for m in messages if m.get("end")]
@@ -45,7 +58,7 @@ def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row
         span_type="AGENT",
         experiment_id=experiment_id,
         run_id=run_id,
-        inputs={"task": row.get("task", ""), "prompt": row.get("prompt", "")},
+        inputs={"prompt": row.get("prompt", "")},  # the UI's Request column; the task is an attribute and a tag
         attributes=attributes,
         start_time_ns=_ns(begin),
         tags={"primerl.step": str(row["step"]), "primerl.task": str(row.get("task", ""))},

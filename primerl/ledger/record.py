@@ -5,13 +5,17 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.ledger.mlflow_ledger import Ledger
+from primerl.ledger.wandb_tracker import WandbTracker
 from primerl.transport.run_dir import reward_plot_path, samples_path, weights_path
 from primerl.transport.weights import latest_stable_version
+from primerl.utils.log import get_logger
+
+log = get_logger(__name__)
 
 SFT_RESULTS = ("loss_final", "train_wall_s")
 
 
-def record_sft(ledger: Ledger, metrics_file: Path) -> None:
+def record_sft(ledger: "Ledger | WandbTracker", metrics_file: Path) -> None:
     """The SFT loss curve as metric `sft/loss` by SFT step; its single-valued results as params `sft.result.*`
     (one value per run, not a one-point curve on another step scale)."""
     if not metrics_file.exists():
@@ -31,12 +35,30 @@ def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
     samples_file = samples_path(run_dir)
     if samples_file.exists():
         by_step: dict[int, list[dict]] = {}
-        for line in samples_file.read_text().splitlines():
-            row = json.loads(line)
-            by_step.setdefault(row["step"], []).append(row)
+        for number, line in enumerate(samples_file.read_text().splitlines(), 1):
+            try:
+                row = json.loads(line)
+                by_step.setdefault(int(row["step"]), []).append(row)
+            except (ValueError, KeyError, TypeError):  # a line torn by a kill: the record goes on without it
+                log.warning(f"{samples_file}: line {number} is not a sample row; left out of the record")
         for step, rows in sorted(by_step.items()):
             if step % max(1, cfg.ledger.sample_every) == 0 or step == max(by_step):
                 ledger.client.log_text(ledger.run_id, json.dumps(rows, indent=1), f"samples/step_{step:06d}.json")
     latest = latest_stable_version(run_dir)
     if latest is not None:
         ledger.set_tags({"checkpoint.final": str(weights_path(run_dir, latest)), "checkpoint.final_step": str(latest)})
+        record_policy(ledger, weights_path(run_dir, latest), latest)
+
+
+def record_policy(ledger: Ledger, weights_dir: Path, version: int) -> None:
+    """The run's final policy among its logged models (MLflow 3): a reference to the weights directory, once per
+    version however often the run is resumed."""
+    from mlflow.entities import LoggedModelStatus
+
+    client, name = ledger.client, f"policy-v{version}"
+    found = client.search_logged_models([ledger.experiment_id], filter_string=f"source_run_id = '{ledger.run_id}'")
+    if any(model.name == name for model in found):
+        return
+    tags = {"primerl.weights_dir": str(weights_dir), "primerl.policy_version": str(version)}
+    model = client.create_logged_model(ledger.experiment_id, name, ledger.run_id, tags, model_type="primerl-policy")
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)

@@ -11,6 +11,7 @@
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
   ledger.json                    the MLflow run that records this directory
+  wandb.json, wandb/              the W&B run that records this directory (ledger.wandb), and W&B's own files
   ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
   reward.png                     the reward curve (and online evals), drawn at the end of the run
   driver.lock                    held by the one driver (primerl.train) of this directory
@@ -79,6 +80,10 @@ def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
 
 def ledger_record_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger.json"
+
+
+def wandb_record_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "wandb.json"
 
 
 def ledger_offsets_path(run_dir: str | Path) -> Path:
