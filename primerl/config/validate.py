@@ -4,6 +4,7 @@ import ipaddress
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
+from primerl.inference.config import OWNED_VLLM_FLAGS
 from primerl.launch.config import JOB_ROLES
 from primerl.model.config import ModelSource
 from primerl.utils.bounds import check_bounds
@@ -80,6 +81,10 @@ def _inference(cfg: RunConfig) -> None:
         )
     if not _is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
+    for arg in inf.extra_args:
+        flag = str(arg).split("=", 1)[0]
+        if flag in OWNED_VLLM_FLAGS:
+            raise ConfigError("inference.extra_args", f"{flag} is set by primerl ({OWNED_VLLM_FLAGS[flag]}), not here")
 
 
 def _model(cfg: RunConfig) -> None:

@@ -54,7 +54,38 @@ class InferenceConfig:
     kv_cache_dtype: KvCacheDtype = KvCacheDtype.auto
     pd: PdConfig = field(default_factory=PdConfig)
     startup_timeout_s: float = bounded(600.0, gt=0)
+    # more vLLM flags, as given; the flags primerl sets itself (OWNED_VLLM_FLAGS) are a config error here
     extra_args: list[str] = field(default_factory=list)
+
+
+# vLLM flags primerl renders, or that would open the server past its loopback-and-key rule, with the setting that
+# owns each (vLLM keeps the last occurrence of a flag, so a second one would silently win)
+OWNED_VLLM_FLAGS = {
+    "--host": "inference.host",
+    "--port": "inference.port",
+    "--uds": "inference.host",
+    "--api-key": "inference.api_key",
+    "--middleware": "primerl's own middlewares",
+    "--root-path": "primerl's routes",
+    "--allowed-origins": "primerl's routes",
+    "--allowed-methods": "primerl's routes",
+    "--allowed-headers": "primerl's routes",
+    "--allow-credentials": "primerl's routes",
+    "--model": "model",
+    "--served-model-name": "primerl's served name",
+    "--worker-extension-cls": "primerl's weight loads",
+    "--enable-scale-out": "primerl's token-in/token-out route",
+    "--logprobs-mode": "the trainer's loss",
+    "--return-tokens-as-token-ids": "the verifiers train client",
+    "--max-logprobs": "the verifiers train client",
+    "--max-model-len": "inference.max_model_len",
+    "--dtype": "model.dtype",
+    "--seed": "seed",
+    "--quantization": "inference.quantization",
+    "--kv-cache-dtype": "inference.kv_cache_dtype",
+    "--gpu-memory-utilization": "inference.gpu_memory_utilization",
+    "--kv-transfer-config": "inference.pd",
+}
 
 
 def replica_ports(inf: InferenceConfig) -> list[int]:
