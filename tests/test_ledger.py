@@ -365,3 +365,32 @@ def test_a_torn_samples_line_is_left_out_of_the_record_not_fatal(tmp_path, caplo
     models = ledger.client.search_logged_models([ledger.experiment_id], f"source_run_id = '{ledger.run_id}'")
     assert [(m.name, m.tags["primerl.policy_version"]) for m in models] == [("policy-v2", "2")]
     ledger.finish()
+
+
+def test_bookkeeping_never_stops_the_run_and_catches_up(tmp_path, caplog):
+    """A store locked past MLflow's wait: the follower's poll fails, is logged, and loses nothing; once the store is
+    free again every row reaches the record exactly once."""
+    import sqlite3
+
+    from primerl.ledger.follower import FollowerThread
+
+    cfg, resolved = _cfg(tmp_path, "name=locked_test")
+    run_dir = tmp_path / "run"
+    ledger = Ledger.open(cfg, resolved, run_dir)
+    recorder = FollowerThread(MetricsFollower(run_dir, [ledger]), every_s=3600)
+    append_metrics(run_dir, "trainer", 0, {"loss": 0.5})
+    assert recorder.poll_once()
+    append_metrics(run_dir, "trainer", 1, {"loss": 0.25})
+    append_metrics(run_dir, "trainer", 2, {"loss": 0.125})
+    lock = sqlite3.connect(tmp_path / "store" / "mlflow.db", isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # another writer holds the store (sweep jobs share one)
+    try:
+        assert not recorder.poll_once()
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    assert "the run's record cannot take new rows now" in caplog.text
+    assert recorder.close()  # the last poll of the run: it catches up
+    history = ledger.client.get_metric_history(ledger.run_id, "trainer/loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.5), (1, 0.25), (2, 0.125)]
+    ledger.finish()

@@ -3,6 +3,7 @@ process starts (envs, SFT demonstrations, the parallel layout, ports), opens the
 topology through the launcher (primerl.launch.supervise) and closes the record with the run's status.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from omegaconf import DictConfig
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
-from primerl.launch.supervise import run_topology
+from primerl.launch.supervise import bookkeeping, run_topology
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 
@@ -49,7 +50,7 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
     finally:
         for tracker in (ledger, wandb):
             if tracker is not None:
-                tracker.finish(status)
+                bookkeeping(f"closing the run's record as {status}", functools.partial(tracker.finish, status))
         driver_lock.close()
     return final_reward(cfg)
 

@@ -5,8 +5,10 @@ progress (primerl.launch.progress), the ledger (metrics as they appear, artifact
 and stopping everything on the first failure, on Ctrl-C or on SIGTERM.
 """
 
+import functools
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -18,6 +20,7 @@ from primerl.utils.log import get_logger
 log = get_logger("train")
 
 if TYPE_CHECKING:
+    from primerl.ledger.follower import FollowerThread
     from primerl.ledger.mlflow_ledger import Ledger
     from primerl.ledger.wandb_tracker import WandbTracker
 
@@ -72,9 +75,7 @@ def run_topology(
     wandb: "WandbTracker | None" = None,
 ) -> None:
     """Run the topology to its end; `ledger` (MLflow) and `wandb` record it as it goes."""
-    from primerl.ledger.follower import MetricsFollower
-    from primerl.ledger.record import record_artifacts, record_sft
-    from primerl.plot import reward_plot
+    from primerl.ledger.follower import FollowerThread, MetricsFollower
 
     run_dir = Path(cfg.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,19 +83,16 @@ def run_topology(
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     trackers = [tracker for tracker in (ledger, wandb) if tracker is not None]
     follower = MetricsFollower(run_dir, trackers, cfg.ledger.sample_every) if trackers else None
+    recorder = FollowerThread(follower, launcher.poll_s) if follower else None
     progress, finished = Progress(run_dir, cfg), False
     try:
-        if sft_needed(cfg):
-            # the train run's ledger records the SFT results; the SFT process keeps none of its own
-            launcher.run_sft([*overrides, "ledger.enabled=false"])
-        for tracker in trackers:
-            record_sft(tracker, sft_metrics_path(sft_run_dir(run_dir)))
+        warm_start(cfg, overrides, launcher, trackers, run_dir)
         launcher.start(overrides)
         log.info(f"run directory {run_dir} (logs in {run_dir / 'logs'})")
+        if recorder:
+            recorder.start()
         while not launcher.finished():
             progress.poll()
-            if follower:
-                follower.poll()
             time.sleep(launcher.poll_s)
         progress.poll()
         finished = True
@@ -102,13 +100,41 @@ def run_topology(
         launcher.stop_all()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        try:  # with or without the ledger
-            reward_plot(run_dir, f"{cfg.name}: mean reward per step")
-        except Exception as err:  # noqa: BLE001 - a figure never hides the run's own outcome
-            log.warning(f"could not draw the reward curve: {type(err).__name__}: {err}")
-        if follower:  # whatever happened, the record keeps everything produced so far
-            follower.poll()
-        if ledger:
-            record_artifacts(ledger, cfg, run_dir)
+        close_records(cfg, run_dir, recorder, ledger)
     if finished:
         progress.summary(ledger, wandb)
+
+
+def warm_start(cfg: RunConfig, overrides: list[str], launcher: Launcher, trackers: list, run_dir: Path) -> None:
+    """The SFT warm-start when it is needed, and its results in the run's records."""
+    from primerl.ledger.record import record_sft
+
+    if sft_needed(cfg):
+        # the train run's records hold the SFT results; the SFT process keeps none of its own
+        launcher.run_sft([*overrides, "ledger.enabled=false"])
+    results = sft_metrics_path(sft_run_dir(run_dir))
+    for tracker in trackers:
+        bookkeeping("recording the SFT results", functools.partial(record_sft, tracker, results))
+
+
+def close_records(cfg: RunConfig, run_dir: Path, recorder: "FollowerThread | None", ledger: "Ledger | None") -> None:
+    """Whatever happened: the reward curve, the rows not yet recorded, the end-of-run artifacts."""
+    from primerl.ledger.record import record_artifacts
+    from primerl.plot import reward_plot
+
+    bookkeeping("drawing the reward curve", lambda: reward_plot(run_dir, f"{cfg.name}: mean reward per step"))
+    if recorder is not None and not recorder.close():
+        log.warning("the run's record misses rows it could not take; the run's files have them all")
+    if ledger is not None:
+        bookkeeping("recording the run's artifacts", lambda: record_artifacts(ledger, cfg, run_dir))
+
+
+def bookkeeping(what: str, action: Callable[[], object]) -> None:
+    """Run `action`; a failure is logged, never the run's: bookkeeping does not stop or fail a run."""
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001 - a locked store, a server down, a full disk, a plotting error
+        log.warning(
+            f"{what} failed ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); "
+            "the run's files keep everything"
+        )

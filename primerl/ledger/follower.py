@@ -1,12 +1,17 @@
 """Following a run's files into its records (MLflow, W&B) while the run goes on: metrics rows and sampled rollouts."""
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
 from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import ledger_offsets_path, metrics_path, samples_path
+from primerl.utils.log import get_logger
+
+log = get_logger("train")
 
 
 class Tracker(Protocol):
@@ -74,3 +79,53 @@ class MetricsFollower:
                     tracker.log_sample(row)
             self.offsets[self.SAMPLES] = offset
             self._save_offsets()
+
+
+class FollowerThread:
+    """Runs `follower.poll()` every `every_s` on a thread of its own, so bookkeeping never blocks or stops a run: an
+    error (a locked store, a tracking server that is down, a full disk) is logged, the rows wait in the run's files,
+    and a later poll sends them, each once (the follower's offsets advance only past what was sent)."""
+
+    WARN_EVERY_S = 60.0
+
+    def __init__(self, follower: MetricsFollower, every_s: float):
+        self.follower, self.every_s = follower, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ledger-follower", daemon=True)
+        self._failing_since: float | None = None
+        self._warned = 0.0
+
+    def start(self) -> "FollowerThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.poll_once()
+
+    def poll_once(self) -> bool:
+        """Forward what is new; False (logged) when the record could not take it now."""
+        try:
+            self.follower.poll()
+        except Exception as err:  # noqa: BLE001 - whatever the store raises, the run goes on
+            now = time.monotonic()
+            if self._failing_since is None or now - self._warned >= self.WARN_EVERY_S:
+                log.warning(
+                    f"the run's record cannot take new rows now ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0][:200] if str(err) else ''}); the run goes on, and they are "
+                    "sent once it can"
+                )
+                self._warned = now
+            self._failing_since = self._failing_since or now
+            return False
+        if self._failing_since is not None:
+            log.info(f"the run's record caught up after {time.monotonic() - self._failing_since:.0f}s")
+            self._failing_since = None
+        return True
+
+    def close(self) -> bool:
+        """Stop the thread, then poll once more: whether everything produced reached the record."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return self.poll_once()
