@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -394,3 +395,31 @@ def test_bookkeeping_never_stops_the_run_and_catches_up(tmp_path, caplog):
     history = ledger.client.get_metric_history(ledger.run_id, "trainer/loss")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.5), (1, 0.25), (2, 0.125)]
     ledger.finish()
+
+
+def test_the_inference_key_reaches_no_record_and_no_child_command_line(tmp_path, monkeypatch):
+    """A key given on the command line: MLflow params, tags and config artifacts show it masked, the run's .hydra
+    files too, and the children's overrides do not hold it (they read it from PRIMERL_API_KEY)."""
+    from primerl.launch.driver import keep_secrets_out
+    from primerl.utils.secrets import API_KEY_ENV
+
+    key = "s3cret-key-1234"
+    monkeypatch.setenv(API_KEY_ENV, "")  # recorded, so the key the driver sets below is gone after the test
+    monkeypatch.delenv(API_KEY_ENV)
+    monkeypatch.setattr(sys, "argv", ["primerl.train", "+experiment=reverse_text", f"inference.api_key={key}"])
+    cfg, resolved = _cfg(tmp_path, "name=secret_test", f"inference.api_key={key}")
+    ledger = Ledger.open(cfg, resolved, tmp_path / "run")
+    run = ledger.client.get_run(ledger.run_id)
+    assert run.data.params["inference.api_key"] == "***" and key not in run.data.tags["mlflow.source.name"]
+    for name in ("resolved", "composed"):
+        text = open(ledger.client.download_artifacts(ledger.run_id, f"config/{name}.yaml", str(tmp_path))).read()
+        assert key not in text and "api_key: ***" in text
+    ledger.finish()
+    hydra = tmp_path / "out" / ".hydra"
+    hydra.mkdir(parents=True)
+    (hydra / "overrides.yaml").write_text(f"- seed=1\n- inference.api_key={key}\n")
+    cfg.output_dir = str(tmp_path / "out")
+    children = keep_secrets_out(["seed=1", f"inference.api_key={key}"], cfg)
+    assert children == ["seed=1"] and os.environ[API_KEY_ENV] == key
+    assert key not in (hydra / "overrides.yaml").read_text()
+    assert check([]).inference.api_key == key  # what a child's config resolves to

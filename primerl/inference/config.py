@@ -40,7 +40,9 @@ class InferenceConfig:
     # vLLM servers serving the same policy, replica i on port + i; the orchestrator spreads rollouts over them
     # (primerl.orchestrator.replicas) and loads every new policy into all of them at once
     replicas: int = bounded(1, ge=1)
-    api_key: str | None = None
+    # required when `host` is not a loopback address; by default read from the environment variable PRIMERL_API_KEY
+    # (primerl.utils.secrets), which is how every process of a run gets it and how to give it without a command line
+    api_key: str | None = "${oc.env:PRIMERL_API_KEY,null}"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int = bounded(512, ge=2)
     gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)

@@ -4,6 +4,7 @@ topology through the launcher (primerl.launch.supervise) and closes the record w
 """
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from primerl.launch.leftovers import claim_run_dir, clear_leftovers
 from primerl.launch.supervise import bookkeeping, run_topology
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
+from primerl.utils.secrets import API_KEY_ENV, mask_text, split_secret_overrides
 
 log = get_logger("train")
 
@@ -26,6 +28,7 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
     130 on Ctrl-C, every process stopped."""
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("output_dir=")]
+    overrides = keep_secrets_out(overrides, cfg)
     ledger, wandb, status = None, None, "FAILED"
     run_dir = Path(cfg.output_dir).resolve()
     driver_lock = claim_run_dir(run_dir)  # one driver per run directory
@@ -53,6 +56,18 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
                 bookkeeping(f"closing the run's record as {status}", functools.partial(tracker.finish, status))
         driver_lock.close()
     return final_reward(cfg)
+
+
+def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
+    """The children's overrides without secrets: a key given on the command line reaches them in their environment
+    (primerl.utils.secrets), and the run's `.hydra/` files show it masked."""
+    overrides, secrets = split_secret_overrides(overrides)
+    if "inference.api_key" in secrets:
+        os.environ[API_KEY_ENV] = secrets["inference.api_key"]
+    hydra_files = Path(cfg.output_dir) / ".hydra"
+    for path in hydra_files.glob("*.yaml") if secrets else ():
+        path.write_text(mask_text(path.read_text(), list(secrets.values())))
+    return overrides
 
 
 def preflight(cfg: RunConfig) -> None:

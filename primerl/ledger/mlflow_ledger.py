@@ -31,6 +31,7 @@ from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import ledger_record_path
 from primerl.utils.locks import locked
 from primerl.utils.log import get_logger
+from primerl.utils.secrets import SECRET_KEYS, mask_overrides, mask_params, mask_text
 
 MAX_PARAM_CHARS = 6000
 log = get_logger(__name__)
@@ -113,7 +114,7 @@ def description(cfg: RunConfig, kind: str) -> str:
 def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
     """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
     return {
-        "mlflow.source.name": f"python -m primerl.{kind} " + " ".join(sys.argv[1:])[:400],
+        "mlflow.source.name": f"python -m primerl.{kind} " + " ".join(mask_overrides(sys.argv[1:]))[:400],
         "mlflow.source.type": "LOCAL",
         "mlflow.source.git.commit": git_commit,
         "mlflow.user": getpass.getuser(),
@@ -168,7 +169,7 @@ class Ledger:
         name = run_dir.name if sweep_dir is None else f"{sweep_dir.name}-{job_num}"
         run = client.create_run(experiment, run_name=f"{cfg.name}-{name}", tags=tags)
         ledger = cls(client, run.info.run_id, run_dir, experiment)
-        params = flatten(OmegaConf.to_container(resolved, resolve=True))
+        params = mask_params(flatten(OmegaConf.to_container(resolved, resolve=True)))
         items = [Param(k[:250], v) for k, v in params.items()]
         for i in range(0, len(items), 100):
             client.log_batch(ledger.run_id, params=items[i : i + 100])
@@ -177,8 +178,12 @@ class Ledger:
         return ledger
 
     def _log_config(self, composed: DictConfig) -> None:
-        self.client.log_text(self.run_id, OmegaConf.to_yaml(composed, resolve=True), "config/resolved.yaml")
-        self.client.log_text(self.run_id, OmegaConf.to_yaml(composed), "config/composed.yaml")
+        secrets = [OmegaConf.select(composed, key) for key in SECRET_KEYS]
+        for name, text in (
+            ("resolved", OmegaConf.to_yaml(composed, resolve=True)),
+            ("composed", OmegaConf.to_yaml(composed)),
+        ):
+            self.client.log_text(self.run_id, mask_text(text, secrets), f"config/{name}.yaml")
 
     def start_system_metrics(self, interval_s: float) -> None:
         """MLflow's system-metrics monitor for this run, continuing the steps of a resumed run; stopped by finish."""

@@ -19,6 +19,7 @@ from primerl.ledger.mlflow_ledger import experiment_name, flatten
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import wandb_record_path
 from primerl.utils.errors import ConfigError
+from primerl.utils.secrets import mask_params
 
 SAMPLE_COLUMNS = ("step", "task", "prompt", "completion", "reward")
 
@@ -47,7 +48,7 @@ class WandbTracker:
             dir=str(run_dir),
             mode=w.mode,
             job_type=kind,
-            config=flatten(OmegaConf.to_container(resolved, resolve=True)),
+            config=mask_params(flatten(OmegaConf.to_container(resolved, resolve=True))),
             tags=[kind, f"seed-{cfg.seed}"],
         )
         write_json(record, {"run_id": run_id, "project": run.project, "mode": w.mode})
