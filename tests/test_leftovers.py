@@ -13,7 +13,7 @@ import pytest
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers, run_processes
 from primerl.transport.atomic import shared_staging_path, stale_temporaries
 from primerl.transport.run_dir import vllm_scratch_prefix
-from primerl.utils.errors import RunError
+from primerl.utils.errors import ConfigError, RunError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,25 +63,43 @@ def test_one_driver_per_run_directory(tmp_path):
     os.kill(holder.pid, signal.SIGKILL)  # the kernel drops the lock with the process
     holder.wait()
     claim_run_dir(tmp_path).close()
+    # a run inside another run's directory, or around it, would reach into it when cleaning up: refused at once
+    runs = tmp_path.with_name(tmp_path.name + "-runs")  # beside tmp_path, itself a run directory above
+    claim_run_dir(runs / "a").close()
+    with pytest.raises(
+        ConfigError, match=f"hydra.run.dir: {runs}/a/ablation is inside the run directory {runs}/a of another run$"
+    ):
+        claim_run_dir(runs / "a" / "ablation")
+    with pytest.raises(ConfigError, match=f"hydra.run.dir: {runs} holds other runs' directories \\({runs}/a\\)"):
+        claim_run_dir(runs)
+    claim_run_dir(runs / "b").close()  # beside it: fine
 
 
 def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / "weights").mkdir()
-    # a process of the run that outlived its driver, and another run's process that must be left alone
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"output_dir={run}/logs"])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"output_dir={run}-other"])
+    # a process of the run that outlived its driver (as the launcher starts them: -m primerl.<process> ...
+    # output_dir=<run>), and processes that must be left alone: another run's, a run nested in this one, and one
+    # that is not primerl's but names the run (a monitor, a wrapper)
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    leftover = subprocess.Popen([*sleep, "-m", "primerl.trainer", f"output_dir={run}"])
+    others = [
+        subprocess.Popen([*sleep, "-m", "primerl.trainer", f"output_dir={run}-other"]),
+        subprocess.Popen([*sleep, "-m", "primerl.trainer", f"output_dir={run}/ablation"]),
+        subprocess.Popen([*sleep, "watch", f"output_dir={run}"]),
+    ]
     # what atomic_dir and atomic_file leave when their process is killed mid-write (the names they use), and
     # vLLM's scratch dir
-    staging = tempfile.mkdtemp(prefix=".step_000003-", dir=run / "weights")
-    fd, partial = tempfile.mkstemp(prefix=".ledger_offsets.json-", suffix=".tmp", dir=run)
+    staging = tempfile.mkdtemp(prefix=".primerl-tmp-step_000003-", dir=run / "weights")
+    fd, partial = tempfile.mkstemp(prefix=".primerl-tmp-ledger_offsets.json-", suffix=".tmp", dir=run)
+    (run / ".notes-20240101").write_text("a user's file")  # dot-named, dated: not a temporary of primerl's
     os.close(fd)
     shared = shared_staging_path(run / "checkpoints" / "step_000002")  # a checkpoint's ranks write it together
     shared.mkdir(parents=True)
     scratch = tempfile.mkdtemp(prefix=vllm_scratch_prefix(run))
     try:
-        assert leftover.pid in run_processes(run) and other.pid not in run_processes(run)
+        assert run_processes(run) == [leftover.pid]
         assert stale_temporaries(run) == sorted(
             [
                 run / "checkpoints" / shared.name,
@@ -91,9 +109,9 @@ def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
         )
         clear_leftovers(run, grace_s=0.5)
         assert leftover.wait(timeout=10) == -signal.SIGKILL
-        assert other.poll() is None
+        assert all(other.poll() is None for other in others)
         assert stale_temporaries(run) == [] and not os.path.exists(scratch)
         assert (run / ".hydra").is_dir() and (run / "weights").is_dir()
     finally:
-        other.kill()
-        leftover.kill()
+        for process in (*others, leftover):
+            process.kill()

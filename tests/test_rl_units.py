@@ -108,7 +108,7 @@ def test_rollout_batch_round_trip(tmp_path):
     )
     path = write_rollout_batch(tmp_path, batch)
     assert path == rollout_path(tmp_path, 7)
-    assert not list(path.parent.glob(".step-*"))  # no temporary left behind
+    assert not list(path.parent.glob(".primerl-tmp-*"))  # no temporary left behind
     back = read_rollout_batch(path)
     assert isinstance(back, RolloutBatch)
     assert (back.step, back.num_samples, back.num_loss_tokens, back.min_policy_version) == (7, 5, 20, 2)

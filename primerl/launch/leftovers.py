@@ -20,7 +20,7 @@ from typing import IO
 from primerl.transport.atomic import stale_temporaries
 from primerl.transport.run_dir import driver_lock_path, vllm_scratch_prefix, weights_root
 from primerl.transport.weights import WEIGHTS_DIR_ENV
-from primerl.utils.errors import RunError
+from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
 from primerl.utils.wait import WaitTimeout, wait_until
 
@@ -29,7 +29,9 @@ log = get_logger("train")
 
 def claim_run_dir(run_dir: Path) -> IO:
     """Take the run directory's driver lock (keep the returned file open for the driver's life), or raise RunError
-    naming the driver that holds it."""
+    naming the driver that holds it. A directory inside another run's, or around other runs' (the cleanup of
+    leftovers would reach into them), is a ConfigError."""
+    refuse_nested(run_dir.resolve())
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(driver_lock_path(run_dir), "a+")
     try:
@@ -46,6 +48,21 @@ def claim_run_dir(run_dir: Path) -> IO:
     return lock
 
 
+def refuse_nested(run_dir: Path, depth: int = 3) -> None:
+    for parent in run_dir.parents:
+        if driver_lock_path(parent).exists():
+            raise ConfigError("hydra.run.dir", f"{run_dir} is inside the run directory {parent} of another run")
+    inner = [
+        lock.parent for level in range(1, depth + 1) for lock in run_dir.glob("/".join(["*"] * level) + "/driver.lock")
+    ]
+    if inner:
+        raise ConfigError(
+            "hydra.run.dir",
+            f"{run_dir} holds other runs' directories ({inner[0]}"
+            f"{' and more' if len(inner) > 1 else ''}); give this run a directory of its own",
+        )
+
+
 def _read(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -55,7 +72,10 @@ def _read(path: str) -> bytes:
 
 
 def run_processes(run_dir: Path) -> list[int]:
-    """Live processes of this run other than this one and its ancestors."""
+    """Live primerl processes of this run other than this one and its ancestors: a `primerl.<module>` command line
+    with exactly this run's `output_dir=` (a run nested in this one, or one beside it, is not this run), or this run's
+    weights directory in the environment (vLLM's processes). Another user's processes are not readable, so never
+    matched."""
     run = str(run_dir.resolve())
     argv_mark = f"output_dir={run}".encode()
     env_mark = f"{WEIGHTS_DIR_ENV}={weights_root(run)}".encode()
@@ -65,8 +85,8 @@ def run_processes(run_dir: Path) -> list[int]:
         if not entry.isdigit() or int(entry) in mine:
             continue
         argv = _read(f"/proc/{entry}/cmdline").split(b"\0")
-        environ = _read(f"/proc/{entry}/environ").split(b"\0")
-        if any(a == argv_mark or a.startswith(argv_mark + b"/") for a in argv) or env_mark in environ:
+        primerl = any(a.startswith(b"primerl.") for a in argv)
+        if (primerl and argv_mark in argv) or env_mark in _read(f"/proc/{entry}/environ").split(b"\0"):
             found.append(int(entry))
     return found
 
@@ -84,12 +104,15 @@ def clear_leftovers(run_dir: Path, grace_s: float = 20.0) -> None:
         try:
             wait_until(lambda: not any(_alive(p) for p in pids), "the previous driver's processes to stop", grace_s)
         except WaitTimeout:
-            for pid in pids:
+            for pid in list(pids):
                 if _alive(pid):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                    except PermissionError:
+                        log.warning(f"process {pid} of this run belongs to another user; it is left running")
+                        pids.remove(pid)
             wait_until(lambda: not any(_alive(p) for p in pids), "the killed processes to go", poll_s=0.1)
     stale = stale_temporaries(run_dir) + sorted(Path(tempfile.gettempdir()).glob(vllm_scratch_prefix(run_dir) + "*"))
     for path in stale:

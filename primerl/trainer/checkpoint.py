@@ -4,7 +4,7 @@
 `HuggingFaceStorageWriter` (safetensors, JSON headers: no pickles on save or load), then rank 0 writes
 `trainer_state.json` (the step, the step's metrics row, each file's size and sha256) and the STABLE marker, and
 renames the directory into place. Invariants:
-- a directory without STABLE is never loaded (a crash mid-save leaves only a `.step_*.partial` directory);
+- a directory without STABLE is never loaded (a crash mid-save leaves only a `.primerl-tmp-step_*.partial` directory);
 - a STABLE directory whose files do not match their recorded sizes and digests is refused (`CorruptCheckpoint`);
 - loading reshards, so a run may resume on another number of ranks.
 Optimizer hyperparameters come from the config on resume; only the per-parameter state (step, moments) is saved.

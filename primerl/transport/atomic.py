@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 STABLE_MARKER = "STABLE"  # the last file written into a published directory: readers load only directories with it
+TEMPORARY_PREFIX = ".primerl-tmp-"  # every temporary of an atomic write: dot-named, so no reader looks at it
 
 
 @contextmanager
@@ -19,7 +20,7 @@ def atomic_file(target: str | Path) -> Iterator[Path]:
     """Yields a temporary path beside `target` to write; it replaces `target` if the block ends without error."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{target.name}-", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -38,8 +39,8 @@ def write_json(target: str | Path, value: object, indent: int | None = None) -> 
 
 def shared_staging_path(target: str | Path) -> Path:
     """The staging directory of `target` that several processes writing it together (the ranks of a checkpoint)
-    find without being told: `.<name>.partial`."""
-    return Path(target).with_name(f".{Path(target).name}.partial")
+    find without being told: `.primerl-tmp-<name>.partial`."""
+    return Path(target).with_name(f"{TEMPORARY_PREFIX}{Path(target).name}.partial")
 
 
 @contextmanager
@@ -54,7 +55,7 @@ def atomic_dir(target: str | Path, mark_stable: bool = True, shared: bool = Fals
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     else:
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{target.name}-", dir=target.parent))
     try:
         yield staging
         if mark_stable:
@@ -76,9 +77,9 @@ def latest_stable(folder: str | Path) -> int | None:
     return max(steps) if steps else None
 
 
-# what atomic_file (".<name>-XXXXXXXX.tmp") and atomic_dir (".<name>-XXXXXXXX", shared: ".<name>.partial") leave
-# behind when killed
-_TEMPORARY = re.compile(r"^\..+(-[a-z0-9_]{8}(\.tmp)?|\.partial)$")
+# what atomic_file (".primerl-tmp-<name>-XXXXXXXX.tmp") and atomic_dir (".primerl-tmp-<name>-XXXXXXXX", shared:
+# ".primerl-tmp-<name>.partial") leave behind when killed: a name no user file has
+_TEMPORARY = re.compile(r"^" + re.escape(TEMPORARY_PREFIX) + r".+(-[a-z0-9_]{8}(\.tmp)?|\.partial)$")
 
 
 def stale_temporaries(root: str | Path) -> list[Path]:
