@@ -37,6 +37,9 @@ class RunConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # python -m primerl.eval
+    # settings a resumed run may change although it was started with others (primerl.launch.resume), e.g.
+    # [trainer.optim.lr]; a key names itself and everything below it
+    allow_changes: list[str] = field(default_factory=list)
 
 
 def register_schema() -> None:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
+from primerl.launch.resume import check_resume
 from primerl.launch.supervise import bookkeeping, run_topology
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -36,6 +37,7 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
         if cfg.launcher.name == "local":
             clear_leftovers(run_dir)  # what a driver killed -9 left: processes, temporaries
         preflight(cfg)
+        check_resume(cfg, run_dir)
         ledger = open_ledger(cfg, dict_cfg, hydra_cfg) if cfg.ledger.enabled else None
         if cfg.ledger.wandb.enabled:
             from primerl.ledger.wandb_tracker import WandbTracker

@@ -198,7 +198,11 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
     flat, model_state, optim_state = _flat_state(model, optimizer)
     try:
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path)))
-    except Exception as err:  # a checkpoint from another model, or damage the digests could not see
-        raise CorruptCheckpoint(path, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a checkpoint from another model, or damage the digests could not see (torch's
+        # CheckpointException is a BaseException)
+        why = (str(err).splitlines() or [""])[0][:200]
+        raise CorruptCheckpoint(path, f"{type(err).__name__}: {why} (a checkpoint of another model?)") from err
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     return state

@@ -10,6 +10,7 @@
   checkpoints/step_<n>/          trainer state after n steps (primerl.trainer.checkpoint)
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
+  run_settings.json              the settings a resume must keep (primerl.launch.resume)
   ledger.json                    the MLflow run that records this directory
   wandb.json, wandb/              the W&B run that records this directory (ledger.wandb), and W&B's own files
   ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
@@ -80,6 +81,10 @@ def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
 
 def ledger_record_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger.json"
+
+
+def run_settings_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "run_settings.json"
 
 
 def wandb_record_path(run_dir: str | Path) -> Path:
