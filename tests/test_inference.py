@@ -223,6 +223,43 @@ def test_every_route_but_health_needs_the_key(server):
             r = http.post("/collective_rpc", json={"method": method}, headers=auth)
             assert r.status_code == 403, method
         assert http.post("/collective_rpc", content=b"not json", headers=auth).status_code == 403
+        # what a web page in a browser could send: refused even with the key (a browser adds Origin cross-site)
+        r = http.post("/pause", headers={**auth, "Origin": "http://evil.example"})
+        assert r.status_code == 403 and not http.get("/is_paused", headers=auth).json().get("is_paused")
+
+
+def test_a_keyless_server_refuses_web_pages(monkeypatch):
+    """The guard without a key (a run started without the driver's key): an Origin header, or a Host that is not a
+    loopback name (DNS rebinding: a page whose domain resolves to 127.0.0.1), is refused before the app sees it."""
+    import asyncio
+
+    from primerl.inference.guard import API_KEY_ENV, InferenceGuard
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def status(host: bytes, *extra: tuple[bytes, bytes]) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "path": "/pause", "headers": [(b"host", host), *extra]}
+        asyncio.run(InferenceGuard(app)(scope, receive, send))
+        return sent[0]["status"]
+
+    assert status(b"127.0.0.1:8000") == 200 and status(b"localhost:8000") == 200 and status(b"[::1]:8000") == 200
+    assert status(b"evil.example:8000") == 403
+    assert status(b"127.0.0.1:8000", (b"origin", b"http://evil.example")) == 403
+    assert reached == ["/pause"] * 3
 
 
 def test_start_failure_reports_the_log_tail(tmp_path):

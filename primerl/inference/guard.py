@@ -11,7 +11,10 @@ with a key those admin routes answered anyone who reached the port (seen on a re
 2. when the server has a key (`VLLM_API_KEY`, which vLLM reads too), answers 401 to every request but `/health`
    without `Authorization: Bearer <key>` (compared in constant time);
 3. lets `/collective_rpc` call only the methods of primerl's worker extension (`primerl_*`), 403 otherwise;
-4. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
+4. refuses what a web page in a browser on the machine could send: a request with an `Origin` header (browsers add
+   it to cross-site requests; primerl's clients never send one), and, on a server without a key, a `Host` other than
+   a loopback name (DNS rebinding);
+5. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
 """
 
 import hashlib
@@ -40,6 +43,7 @@ ALLOWED_PATHS = frozenset(
 ALLOWED_PREFIXES = ("/v1/", "/inference/v1/")
 RPC_PATH = "/collective_rpc"
 RPC_METHOD_PREFIX = "primerl_"  # primerl.inference.worker_extension
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", ""})  # "": an HTTP/1.0 request without Host
 
 
 def route_allowed(path: str) -> bool:
@@ -100,6 +104,16 @@ class InferenceGuard:
 
         return marked_send
 
+    def from_a_client(self, scope) -> bool:
+        """Not from a web page: no Origin header, and (keyless) a loopback Host."""
+        headers = dict(scope.get("headers") or [])
+        if b"origin" in headers:
+            return False
+        if self.key_digest is not None:
+            return True
+        host = headers.get(b"host", b"").decode("latin-1").rsplit(":", 1)[0].strip("[]")
+        return host in LOOPBACK_NAMES
+
     def authorized(self, scope) -> bool:
         if self.key_digest is None:
             return True
@@ -116,6 +130,8 @@ class InferenceGuard:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if not route_allowed(path):
             return await reply(scope, send, 404, "Not Found")
+        if not self.from_a_client(scope):
+            return await reply(scope, send, 403, "requests from web pages are refused")
         if path not in OPEN_PATHS and not self.authorized(scope):
             return await reply(scope, send, 401, "Unauthorized")
         if path == RPC_PATH and scope["type"] == "http":

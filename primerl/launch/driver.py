@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 from pathlib import Path
+from secrets import token_urlsafe
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -61,11 +62,16 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
 
 
 def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
-    """The children's overrides without secrets: a key given on the command line reaches them in their environment
-    (primerl.utils.secrets), and the run's `.hydra/` files show it masked."""
+    """The children's overrides without secrets: the inference key reaches them in their environment
+    (primerl.utils.secrets), and the run's `.hydra/` files show a key given on the command line masked. Without a
+    key, the run makes one of its own: only its processes can call its servers (a web page in a browser on the
+    machine cannot)."""
     overrides, secrets = split_secret_overrides(overrides)
-    if "inference.api_key" in secrets:
-        os.environ[API_KEY_ENV] = secrets["inference.api_key"]
+    key = secrets.get("inference.api_key") or cfg.inference.api_key
+    if not key:
+        key = token_urlsafe(24)
+        log.info(f"the inference servers get a key of this run's own ({API_KEY_ENV}, never shown)")
+    os.environ[API_KEY_ENV] = key
     hydra_files = Path(cfg.output_dir) / ".hydra"
     for path in hydra_files.glob("*.yaml") if secrets else ():
         path.write_text(mask_text(path.read_text(), list(secrets.values())))
