@@ -70,6 +70,8 @@ def test_every_group_option_composes(group, option):
         (["inference.extra_args=['--api-key=k']"], "inference.extra_args", "--api-key is set by primerl"),
         (["inference.extra_args=[--middleware,x.Y]"], "inference.extra_args", "--middleware is set by primerl"),
         (["ledger.wandb.mode=cloud"], "ledger.wandb.mode", "is not one of [online, offline, disabled]"),
+        (["mixture=[{id:a,weight:inf}]"], "mixture[0].weight", "is not a positive sampling weight"),
+        (["inference.api_key='clé k'"], "inference.api_key", "must be printable ASCII"),
         (["launcher.name=k8s"], "launcher.name", "is not one of [local, slurm]"),
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),

@@ -12,7 +12,7 @@ from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.batch import build_batch
 from primerl.trainer.config import LossConfig
 from primerl.trainer.loss import policy_loss
-from primerl.transport.batches import RolloutBatch, Sample, read_rollout_batch, write_rollout_batch
+from primerl.transport.batches import CorruptBatch, RolloutBatch, Sample, read_rollout_batch, write_rollout_batch
 from primerl.transport.run_dir import rollout_path
 from primerl.utils.errors import RunError
 
@@ -120,6 +120,9 @@ def test_rollout_batch_round_trip(tmp_path):
     # a batch that does not say how it was sampled is refused, not trained at a guessed temperature
     with safe_open(str(path), framework="pt") as f:
         meta, tensors = json.loads(f.metadata()["primerl"]), {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, path, metadata={"primerl": json.dumps({**meta, "data_position": 0})})
+    with pytest.raises(CorruptBatch, match=r"its data or metadata does not match its recorded sha256"):
+        read_rollout_batch(path)  # a header field changed: refused like a flipped byte
     del meta["temperature"]
     save_file(tensors, path, metadata={"primerl": json.dumps(meta)})
     with pytest.raises(RunError, match=r"records no temperature \(written by an older primerl\)"):

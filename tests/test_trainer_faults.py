@@ -100,7 +100,7 @@ def test_a_corrupt_batch_is_refused(cache_dir, tmp_path):
     path.write_bytes(bytes(data))
     result = _trainer(_args(cache_dir, tmp_path, 1))
     _one_line_error(result, "rollout batch")
-    assert "is corrupt (its data does not match its recorded sha256)" in result.stderr
+    assert "is corrupt (its data or metadata does not match its recorded sha256)" in result.stderr
     assert read_metrics(tmp_path, "trainer") == [] and latest_checkpoint(tmp_path) is None
 
 

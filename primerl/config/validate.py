@@ -1,6 +1,7 @@
 """Cross-field checks that a typed schema cannot express. Each failure names the offending key."""
 
 import ipaddress
+import math
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
@@ -79,6 +80,8 @@ def _inference(cfg: RunConfig) -> None:
             "trainer.seq_len",
             f"{trainer.seq_len} is shorter than inference.max_model_len={inf.max_model_len}: a full rollout must fit",
         )
+    if inf.api_key is not None and not (inf.api_key.isascii() and inf.api_key.isprintable() and " " not in inf.api_key):
+        raise ConfigError("inference.api_key", "must be printable ASCII without spaces (it travels in an HTTP header)")
     if not _is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
     for arg in inf.extra_args:
@@ -113,7 +116,7 @@ def _data(cfg: RunConfig) -> None:
     if cfg.eval.k > cfg.eval.samples_per_task:  # pass@k and avg@k, of `eval` and of the online evals
         raise ConfigError("eval.k", f"{cfg.eval.k} exceeds eval.samples_per_task={cfg.eval.samples_per_task}")
     for i, entry in enumerate(cfg.mixture):
-        if not entry.weight > 0:
+        if not (entry.weight > 0 and math.isfinite(entry.weight)):
             raise ConfigError(f"mixture[{i}].weight", f"{entry.weight} is not a positive sampling weight")
     if len({entry.id for entry in cfg.mixture}) < len(cfg.mixture):
         raise ConfigError("mixture", "each env may appear once (its id names its metrics)")

@@ -33,7 +33,7 @@ from primerl.transport.atomic import is_stable
 from primerl.transport.batches import RolloutBatch, read_rollout_batch
 from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
 from primerl.transport.weights import drop_old_version, versions_to_keep
-from primerl.utils.errors import writing
+from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until
 
@@ -144,6 +144,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             path, waited = wait_for_batch(run_dir, step)
             started = time.perf_counter()
             batch = read_rollout_batch(path)
+            if batch.step != step:
+                raise RunError(f"rollout batch {path} is for step {batch.step}, not {step}: move it aside and rerun")
             read_s = time.perf_counter() - started
             metrics = train_on_batch(trainer, tcfg, batch, info.rank // cp, dp, step)
             step_s = time.perf_counter() - started

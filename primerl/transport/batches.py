@@ -2,8 +2,8 @@
 
 Tensors are named `mb<i>.<field>` (one group per micro-batch), the rest of `RolloutBatch` is JSON metadata. The file is
 written atomically, so the trainer sees nothing or all of it, and read with safetensors only (no pickles). The metadata
-records the tensor data's size and sha256: a file damaged after it was written (truncated, bytes changed) is refused
-with `CorruptBatch`, never trained.
+records the data's size and a sha256 over the metadata and the data: a file damaged or altered after it was written
+(truncated, bytes or header fields changed) is refused with `CorruptBatch`, never trained.
 """
 
 import hashlib
@@ -61,9 +61,10 @@ class CorruptBatch(RunError):
         )
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """sha256 and byte count of the tensors' names and data, in name order."""
-    h, size = hashlib.sha256(), 0
+def _digest(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[str, int]:
+    """sha256 of the metadata (as canonical JSON) and of the tensors' names and data in name order; the data's byte
+    count."""
+    h, size = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()), 0
     for name in sorted(tensors):
         data = tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         h.update(name.encode())
@@ -77,7 +78,7 @@ def write_rollout_batch(run_dir: str | Path, batch: RolloutBatch) -> Path:
     tensors = {f"mb{i}.{k}": v.contiguous() for i, mb in enumerate(batch.micro_batches) for k, v in mb.items()}
     meta = {k: v for k, v in asdict(batch).items() if k != "micro_batches"}
     meta["num_micro_batches"] = len(batch.micro_batches)
-    meta["sha256"], meta["data_bytes"] = _digest(tensors)
+    meta["sha256"], meta["data_bytes"] = _digest(tensors, meta)
     with atomic_file(target) as tmp:
         save_file(tensors, tmp, metadata={"primerl": json.dumps(meta)})
     return target
@@ -97,13 +98,13 @@ def read_rollout_batch(path: str | Path) -> RolloutBatch:
     expected, size = meta.pop("sha256", None), meta.pop("data_bytes", None)
     if size is not None and path.stat().st_size != 8 + header_bytes + size:
         raise CorruptBatch(path, f"{path.stat().st_size} bytes, {8 + header_bytes + size} expected")
-    if expected is not None and _digest(tensors)[0] != expected:
-        raise CorruptBatch(path, "its data does not match its recorded sha256")
     missing = [key for key in SAMPLING_FIELDS if key not in meta]
     if missing:
         raise RunError(
             f"rollout batch {path} records no {' or '.join(missing)} (written by an older primerl): "
             "start a new run, or move it and every later batch aside so the orchestrator writes them again"
         )
+    if expected is None or _digest(tensors, meta)[0] != expected:
+        raise CorruptBatch(path, "its data or metadata does not match its recorded sha256")
     micro = [{k: tensors[f"mb{i}.{k}"] for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))]
     return RolloutBatch(micro_batches=micro, **meta)
