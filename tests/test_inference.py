@@ -19,6 +19,7 @@ from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
+from primerl.transport.atomic import atomic_dir
 from primerl.transport.identity import SERVER_ID_HEADER, server_identity
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import SERVED_MODEL_NAME
@@ -165,6 +166,13 @@ def test_unstable_or_outside_weights_are_refused(server, tmp_path):
         with pytest.raises(RuntimeError, match="not inside the run's weights directory"):
             _call(server, "load_weights", path, 8)
     assert _call(server, "policy_version") != 8
+    # a directory inside, STABLE, whose weight file is a symlink out of it
+    inner = weights_path(server.run_dir, 7)
+    with atomic_dir(inner) as staging:
+        (staging / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(RuntimeError, match="lead outside the run's weights directory"):
+        _call(server, "load_weights", inner, 7)
+    assert _call(server, "policy_version") != 7
     assert "refused to load weights from" in (server.run_dir / "vllm.log").read_text()
 
 

@@ -58,9 +58,16 @@ class PrimerlWorkerExtension:
         folder = Path(path)
         if not (folder / STABLE_MARKER).exists():
             raise ValueError(f"{folder} is not a stable weight directory (no {STABLE_MARKER} marker)")
+        version_number = int(version)  # a bad version fails here, before any weight is touched
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder} holds no .safetensors files")
+        escaping = [file.name for file in files if not inside(file, root)]  # a symlink out of the weights directory
+        if escaping:
+            log.warning(
+                "primerl: refused to load weights from %s: %s leave the run's weights directory", path, escaping
+            )
+            raise PermissionError(f"refused: {', '.join(escaping)} in {path} lead outside the run's weights directory")
 
         def tensors():
             for file in files:
@@ -72,7 +79,7 @@ class PrimerlWorkerExtension:
         # post-load processing, which on CPU repacks linear weights into kernel layout and frees the originals.
         self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
         self._retie_lm_head()
-        self.primerl_policy_version = int(version)
+        self.primerl_policy_version = version_number
         return str(self.primerl_policy_version)
 
     def _retie_lm_head(self) -> None:
