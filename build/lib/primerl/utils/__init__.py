@@ -1,1 +1,0 @@
-"""Helpers every process may import (no process imports another process's package)."""
