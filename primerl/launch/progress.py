@@ -42,9 +42,13 @@ def duration(seconds: float) -> str:
 class Progress:
     def __init__(self, run_dir: Path, cfg: RunConfig):
         self.run_dir, self.cfg = run_dir, cfg
-        self.started = self.noted = time.monotonic()
+        self.started = self.noted = self.topology_started = time.monotonic()
         self.steps_shown = self.evals_shown = 0
         self.first_step: int | None = None  # the first step this driver saw trained (a resumed run starts later)
+
+    def topology_starting(self) -> None:
+        """The processes are starting now (after the SFT warm-start, if any): waiting notes count from here."""
+        self.noted = self.topology_started = time.monotonic()
 
     def poll(self) -> None:
         """Print what is new since the last poll."""
@@ -59,7 +63,7 @@ class Progress:
         self.evals_shown = len(evals)
         if not trainer and time.monotonic() - self.noted >= NOTE_EVERY_S:
             self.noted = time.monotonic()
-            log.info(f"{self._awaited(orchestrator)} ({duration(self.noted - self.started)})")
+            log.info(f"{self._awaited(orchestrator)} ({duration(self.noted - self.topology_started)})")
 
     def _awaited(self, orchestrator: dict) -> str:
         if orchestrator:

@@ -88,6 +88,7 @@ def run_topology(
     try:
         warm_start(cfg, overrides, launcher, trackers, run_dir)
         launcher.start(overrides)
+        progress.topology_starting()
         log.info(f"run directory {run_dir} (logs in {run_dir / 'logs'})")
         if recorder:
             recorder.start()
