@@ -120,7 +120,7 @@ def test_rollout_batch_round_trip(tmp_path):
     # a batch that does not say how it was sampled is refused, not trained at a guessed temperature
     with safe_open(str(path), framework="pt") as f:
         meta, tensors = json.loads(f.metadata()["primerl"]), {name: f.get_tensor(name) for name in f.keys()}
-    save_file(tensors, path, metadata={"primerl": json.dumps({**meta, "data_position": 0})})
+    save_file(tensors, path, metadata={"primerl": json.dumps({**meta, "step": 8})})
     with pytest.raises(CorruptBatch, match=r"its data or metadata does not match its recorded sha256"):
         read_rollout_batch(path)  # a header field changed: refused like a flipped byte
     del meta["temperature"]

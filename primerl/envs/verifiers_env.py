@@ -103,6 +103,13 @@ class EnvRunner:
 API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 
+def expose_api_key(inf: "InferenceConfig") -> None:
+    """Put the servers' key where verifiers' train client reads it, in this process and so in the env workers it
+    starts afterwards: call it before serving envs. Always the config's key: a value inherited from elsewhere (a
+    parent that ran another run) must not win."""
+    os.environ[API_KEY_VAR] = inf.api_key or "EMPTY"
+
+
 def model_context(
     model_path: str,
     inf: "InferenceConfig",
@@ -116,7 +123,7 @@ def model_context(
     workers as data (primerl.envs.workers)."""
     from primerl.transport.weights import SERVED_MODEL_NAME
 
-    os.environ.setdefault(API_KEY_VAR, inf.api_key or "EMPTY")  # env workers inherit it
+    expose_api_key(inf)
     return vf.ModelContext(
         client=vf.TrainClientConfig(
             base_url=f"{base_url or f'http://{inf.host}:{inf.port}'}/v1",

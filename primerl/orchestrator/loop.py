@@ -159,9 +159,10 @@ class Orchestrator:
             self._recoveries_seen, self._failed_streak = self.servers.recoveries, 0
         self._failed_streak += item.failed_rollouts
         if self._failed_streak >= self.max_failed_streak and self._error is None:
+            reasons = "; ".join(f"{count}x {reason[:200]}" for reason, count in self._failure_reasons.most_common(3))
             self._error = RunError(
-                f"{self._failed_streak} rollouts in a row failed; the reasons are logged "
-                "above (environment, reward function or server)"
+                f"{self._failed_streak} rollouts in a row failed (environment, reward function or server); the most "
+                f"common reasons since the last batch: {reasons or 'none recorded'}"
             )
 
     def _try_cut(self) -> Cut | None:

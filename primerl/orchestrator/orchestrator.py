@@ -194,8 +194,10 @@ def make_watcher(cfg: RunConfig, replicas: "Replicas", policy: Policy, online_ev
 
 async def run_orchestrator(cfg: RunConfig) -> None:
     """The real thing: verifiers envs, vLLM replicas, the run directory."""
+    from primerl.envs.verifiers_env import expose_api_key
     from primerl.model.start import prepare_start_model
 
+    expose_api_key(cfg.inference)  # before any env worker starts: they inherit it
     run_dir, model_path = Path(cfg.output_dir), prepare_start_model(cfg)
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
