@@ -24,14 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from primerl.envs.types import Rollout, RolloutFailure
+from primerl.envs.types import Rollout, RolloutFailure, RolloutRunner
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.types import (
     CancelledGroup,
     FinishedGroup,
     FinishedRollout,
     Policy,
-    RolloutRunner,
 )
 from primerl.utils.log import get_logger
 

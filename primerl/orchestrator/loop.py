@@ -30,13 +30,14 @@ import asyncio
 import collections
 import time
 
+from primerl.envs.types import RolloutRunner
 from primerl.metrics import OrchestratorMetric as M
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.dispatcher import Dispatcher
 from primerl.orchestrator.sink import Cut, Sink
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
-from primerl.orchestrator.types import AlwaysServing, CancelledGroup, FinishedGroup, Policy, RolloutRunner, Servers
+from primerl.orchestrator.types import AlwaysServing, CancelledGroup, FinishedGroup, Policy, Servers
 from primerl.orchestrator.writer import BatchWriter
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger

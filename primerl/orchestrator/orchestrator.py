@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
+from primerl.envs.types import RolloutRunner
 from primerl.orchestrator.gauges import IdleSampler
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
-from primerl.orchestrator.types import Policy, RolloutRunner
+from primerl.orchestrator.types import Policy
 from primerl.orchestrator.writer import BatchWriter
 from primerl.utils.log import get_logger
 

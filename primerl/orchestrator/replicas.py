@@ -22,9 +22,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from primerl.envs.types import Rollout, RolloutFailure
+from primerl.envs.types import Rollout, RolloutFailure, RolloutRunner
 from primerl.orchestrator.inference_client import InferenceClient
-from primerl.orchestrator.types import RolloutRunner
 from primerl.utils.liveness import Liveness, Pulse
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, LOST, least_outstanding, race

@@ -9,9 +9,7 @@ Every dispatched rollout is accounted for exactly once: in a `FinishedGroup` (as
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from primerl.envs.types import Rollout, RolloutRunner
-
-__all__ = ["AlwaysServing", "CancelledGroup", "FinishedGroup", "FinishedRollout", "Policy", "RolloutRunner", "Servers"]
+from primerl.envs.types import Rollout
 
 
 @dataclass

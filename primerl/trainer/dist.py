@@ -81,10 +81,16 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, ep: int = 1) -> set[to
     return experts
 
 
+def all_reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Collective: each value summed over ranks, in one all-reduce (every rank passes the same keys)."""
+    keys = sorted(values)
+    summed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return dict(zip(keys, summed.tolist()))
+
+
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
-    t = torch.tensor(float(value), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
+    return all_reduce_sums({"value": value}, device)["value"]
 
 
 def close_distributed() -> None:

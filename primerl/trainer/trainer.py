@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from primerl.trainer.checkpoint import load_checkpoint
 from primerl.trainer.config import OptimConfig
 from primerl.trainer.context_parallel import ContextParallel
-from primerl.trainer.dist import DistInfo, data_mesh, shard_model
+from primerl.trainer.dist import DistInfo, all_reduce_sums, data_mesh, shard_model
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
@@ -123,19 +123,13 @@ class Trainer:
         optimizer_at = time.perf_counter()
         scale_expert_grads(self.expert_params, self.info.world_size)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-        sums = self._all_reduce(sums)
+        sums = all_reduce_sums(sums, self.info.device)
         applied = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._count_skipped(index, applied, sums["loss"], grad_norm)
         return StepResult(sums, grad_norm, applied, forward_s, backward_s, time.perf_counter() - optimizer_at)
-
-    def _all_reduce(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(values)
-        return dict(zip(keys, values.tolist()))
 
     def _count_skipped(self, index: int, applied: bool, loss: float, grad_norm: float) -> None:
         if applied:
