@@ -7,6 +7,7 @@ import math
 import time
 from pathlib import Path
 
+from primerl.transport.atomic import append_lines
 from primerl.transport.run_dir import metrics_path
 
 ORCHESTRATOR, TRAINER = "orchestrator", "trainer"  # the processes that write metrics/<process>.jsonl
@@ -68,17 +69,8 @@ class TrainerMetric:
 
 
 def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:
-    path = metrics_path(run_dir, process)
-    path.parent.mkdir(parents=True, exist_ok=True)
     clean = {k: (v if isinstance(v, int | float) and math.isfinite(v) else None) for k, v in values.items()}
-    line = (json.dumps({"step": step, "time": time.time(), **clean}) + "\n").encode()
-    with open(path, "a+b") as f:
-        if f.tell() > 0:  # a process killed mid-line left a torn line: start on a fresh one
-            f.seek(-1, 2)
-            if f.read(1) != b"\n":
-                line = b"\n" + line
-        f.write(line)
-        f.flush()
+    append_lines(metrics_path(run_dir, process), [json.dumps({"step": step, "time": time.time(), **clean})])
 
 
 def append_metrics_once(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:

@@ -2,6 +2,7 @@
 the rest. Real processes, real signals; no servers."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers, run_processes
 from primerl.transport.atomic import shared_staging_path, stale_temporaries
-from primerl.transport.run_dir import vllm_scratch_prefix
+from primerl.transport.run_dir import scratch_prefix
 from primerl.utils.errors import ConfigError, RunError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +98,9 @@ def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
     os.close(fd)
     shared = shared_staging_path(run / "checkpoints" / "step_000002")  # a checkpoint's ranks write it together
     shared.mkdir(parents=True)
-    scratch = tempfile.mkdtemp(prefix=vllm_scratch_prefix(run))
+    scratch = tempfile.mkdtemp(prefix=scratch_prefix(run, "vllm"))
+    env_scratch = tempfile.mkdtemp(prefix=scratch_prefix(run, "env"))  # a killed orchestrator's env workers' sockets
+    other_scratch = tempfile.mkdtemp(prefix=scratch_prefix(run / "ablation", "env"))
     try:
         assert run_processes(run) == [leftover.pid]
         assert stale_temporaries(run) == sorted(
@@ -110,8 +113,42 @@ def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
         clear_leftovers(run, grace_s=0.5)
         assert leftover.wait(timeout=10) == -signal.SIGKILL
         assert all(other.poll() is None for other in others)
-        assert stale_temporaries(run) == [] and not os.path.exists(scratch)
+        assert stale_temporaries(run) == [] and not os.path.exists(scratch) and not os.path.exists(env_scratch)
+        assert os.path.isdir(other_scratch)  # another run's
         assert (run / ".hydra").is_dir() and (run / "weights").is_dir()
     finally:
         for process in (*others, leftover):
             process.kill()
+        shutil.rmtree(other_scratch, ignore_errors=True)
+
+
+def test_processes_sharing_a_cache_entry_take_turns(tmp_path, caplog):
+    """What two sweep jobs with one SFT cache key do (primerl.launch.supervise.warm_start): the second waits, says so,
+    and enters once the first is done with the entry."""
+    from primerl.utils.locks import locked
+
+    entry = tmp_path / "sft" / "reverse_text-1a2b3c"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from primerl.utils.locks import locked\n"
+            f"with locked(Path({str(entry)!r})):\n    print('held', flush=True); time.sleep(1.5)\n"
+            "print('released', flush=True)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with caplog.at_level("INFO", logger="primerl"), locked(entry, "waiting for the other warm-start"):
+            waited = time.monotonic() - started
+            assert holder.stdout.readline().strip() == "released"  # the holder was done before this one entered
+        assert waited > 1.0 and "waiting for the other warm-start" in caplog.text
+        with locked(entry, "never said: nobody holds it"):
+            pass
+        assert "never said" not in caplog.text
+    finally:
+        holder.kill()

@@ -165,3 +165,29 @@ def test_published_versions_outlive_every_policy_a_replica_may_be_asked_to_load(
             oldest_served = max(v - 1 - async_level, 1)
             assert all(weights_path(run, u).exists() for u in range(oldest_served, v + 1)), (async_level, v)
         assert not weights_path(run, 19 - keep).exists()  # and no more than that is kept
+
+
+def test_a_full_disk_stalls_the_orchestrators_writes_and_loses_nothing(tmp_path, caplog):
+    """A write that fails for a full disk (the kernel's ENOSPC, from /dev/full) is retried until there is space: the
+    batch, its metrics row and its samples all arrive, each once; a line a killed writer tore stays the only bad one."""
+    import threading
+
+    from primerl.metrics import ORCHESTRATOR, read_metrics
+    from primerl.orchestrator.writer import BatchWriter
+    from primerl.transport.run_dir import samples_path
+
+    samples = samples_path(tmp_path)
+    samples.parent.mkdir(parents=True)
+    samples.symlink_to("/dev/full")
+    writer = BatchWriter(tmp_path, seq_len=20, micro_batch_size=2, pad_id=0, temperature=1.0, async_level=1)
+    space = threading.Timer(1.5, lambda: (samples.unlink(), samples.write_text('{"step": 0, "task": "to')))
+    space.start()
+    with caplog.at_level("INFO", logger="primerl"):
+        writer.write(0, [_sample(5, 3, 0.5)], {"reward/mean": 0.5}, data_position=4, examples=[{"step": 0, "i": 1}])
+    space.join()
+    assert "the sample rollouts of step 0: No space left on device" in caplog.text
+    assert "the sample rollouts of step 0: written after" in caplog.text
+    assert read_rollout_batch(rollout_path(tmp_path, 0)).data_position == 4
+    assert [row["step"] for row in read_metrics(tmp_path, ORCHESTRATOR)] == [0]
+    lines = samples.read_text().splitlines()
+    assert lines == ['{"step": 0, "task": "to', '{"step": 0, "i": 1}']  # the torn line ended, the new one whole

@@ -240,6 +240,7 @@ def test_sft_from_a_chat_dataset(tmp_path):
         (["sft.data=null"], "sft.data: no demonstrations for env.id=primerl-guess-number"),
         ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
         ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory"),
+        ([f"sft.data={data}", "sft.seq_len=16"], f"sft.seq_len: {data} conversation 0 is "),
     ):
         result = run_module("primerl.sft", *args, *bad)
         assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]

@@ -157,7 +157,9 @@ SCRIPT = {
     "slow": call("sleep", '{"seconds": 30}'),
     "malformed": call(MALFORMED_TOOL_CALL, '{"status": "invalid_json", "text": "{bad"}'),
     "loop": call("echo", '{"text": "again"}'),
+    "overflow": call("echo", '{"text": "a long result"}'),  # the results fill the context after two calls
 }
+CONTEXT_FULL = "Prompt length (80) exceeds maximum context length (64)."  # the renderer's pre-flight error
 
 
 class ScriptedModel:
@@ -172,7 +174,9 @@ class ScriptedModel:
         messages = body["messages"]
         prompt = next(m["content"] for m in messages if m["role"] == "user")
         results = [m for m in messages if m["role"] == "tool"]
-        if prompt == "loop" or (not results and SCRIPT.get(prompt)):
+        if prompt == "overflow" and len(results) >= 2:
+            return web.json_response({"error": {"message": CONTEXT_FULL, "type": "BadRequestError"}}, status=400)
+        if prompt in ("loop", "overflow") or (not results and SCRIPT.get(prompt)):
             message = {"role": "assistant", "content": None, "tool_calls": [SCRIPT[prompt]]}
         elif prompt.startswith("What is the code for"):  # primerl-code-lookup: call with the word, then answer the code
             word = messages[-1]["content"].split()[-1].rstrip("?")
@@ -279,6 +283,8 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
         "tool_stop_malformed": 1,
     }
     assert metrics("loop") == {"tool_calls": 3, "tool_turns": 3, "tool_stop_max_turns": 1, "tool_valid_call_rate": 1.0}
+    overflow = {"tool_calls": 2, "tool_turns": 2, "tool_stop_context_length": 1, "tool_valid_call_rate": 1.0}
+    assert metrics("overflow") == overflow  # stopped and scored as it stands, not a failed rollout
 
     for trace in code_traces:  # the bundled env through the same harness: the code comes only from its tool
         assert trace.ok and trace.reward == 1.0 and trace.metrics["tool_valid_call_rate"] == 1.0

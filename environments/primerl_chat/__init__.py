@@ -7,7 +7,8 @@ exchanges: the default `resume()` relaunches it on the accreted conversation.
 Tools: when the task has tool servers (verifiers `toolsets`, MCP), their tools are offered to the model in every
 request; the renderer (primerl.envs.tool_renderer for models renderers does not know) puts their schemas in the chat
 template and parses `<tool_call>` blocks. The loop runs each call on its server and answers with a tool message
-until the model answers without a call, `max_turns` model turns, or `token_budget` sampled tokens. A call to an
+until the model answers without a call, `max_turns` model turns, `token_budget` sampled tokens, or a prompt that no
+longer fits the server's context (`context_length`: the tool results filled it; the reply so far is scored). A call to an
 unknown tool, with arguments that are not an object, that fails or that times out is answered to the model as a
 tool error; a malformed call ends the rollout (its reply is scored as it stands). Each outcome is counted in the
 trace's metrics (`tool_*`). Tool results are prompt tokens of the next turn, so they are never trained on.
@@ -36,7 +37,7 @@ CHAT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30)
 # {"stop", "turns"} per launch
 TOOL_LOG = "primerl_tool_calls"
 TOOL_ERRORS = ("unknown_tool", "bad_arguments", "failed", "timeout", "malformed")
-STOPS = ("answer", "max_turns", "token_budget", "malformed")
+STOPS = ("answer", "max_turns", "token_budget", "malformed", "context_length")
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -78,7 +79,13 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             if sampled >= self.config.token_budget:
                 stop = "token_budget"
                 break
-            reply = await chat(messages, tools)
+            try:
+                reply = await chat(messages, tools)
+            except ContextFull:
+                if not turns:
+                    raise  # the task's own prompt does not fit: nothing to score
+                stop = "context_length"
+                break
             turns += 1
             sampled += chat.last_completion_tokens
             calls = reply.get("tool_calls") or []
@@ -145,6 +152,10 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         return metrics
 
 
+class ContextFull(RuntimeError):
+    """The prompt is longer than the server's context (vLLM's, or the renderer's pre-flight check of it)."""
+
+
 class _Chat:
     """POSTs chat completions to the rollout's interception endpoint; returns the assistant message."""
 
@@ -158,6 +169,8 @@ class _Chat:
         # The interception server fills in the sampling settings and records the turn; it answers errors with a
         # non-2xx status and keeps the real cause on the rollout.
         async with self.http.post(self.url, json=body, headers=self.headers) as response:
+            if response.status == 400 and "maximum context length" in (text := await response.text()).lower():
+                raise ContextFull(f"chat completion refused: {text[:300]}")
             if response.status >= 400:
                 raise RuntimeError(f"chat completion failed: HTTP {response.status}: {(await response.text())[:300]}")
             reply = await response.json()

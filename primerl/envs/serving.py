@@ -10,11 +10,14 @@ from primerl.envs.workers import EnvWorkers
 
 
 async def serve_envs(
-    entries: Sequence[EnvConfig], stack: contextlib.AsyncExitStack, pools: list[EnvWorkers]
+    entries: Sequence[EnvConfig],
+    stack: contextlib.AsyncExitStack,
+    pools: list[EnvWorkers],
+    scratch_prefix: str = "primerl-env-",
 ) -> tuple[dict, dict]:
     """Load each env (its taskset is the task stream) and serve it inside `stack`: in this process, or in its
-    `env.workers` worker processes (primerl.envs.workers; each pool is appended to `pools`). Returns the envs and
-    the worker pools by name."""
+    `env.workers` worker processes (primerl.envs.workers; each pool is appended to `pools`, its sockets in a temp dir
+    named `scratch_prefix...`). Returns the envs and the worker pools by name."""
     envs, by_name = {}, {}
     for entry in entries:
         env = envs[entry.id] = load_env(entry)
@@ -26,6 +29,7 @@ async def serve_envs(
                 entry.worker_timeout_s,
                 entry.worker_grace_s,
                 task_type=type(env.taskset).task_type(),
+                scratch_prefix=scratch_prefix,
             )
             by_name[entry.id] = await stack.enter_async_context(pool)
             pools.append(by_name[entry.id])

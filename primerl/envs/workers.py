@@ -65,6 +65,7 @@ class EnvWorkers:
         grace_s: float,
         startup_timeout_s: float = 300.0,
         task_type: type | None = None,
+        scratch_prefix: str = "primerl-env-",
     ):
         if count < 1:
             raise ValueError(f"need at least one env worker, got {count}")
@@ -78,7 +79,7 @@ class EnvWorkers:
         self._live = asyncio.Event()
         self._error: str | None = None
         self._mp = mp.get_context("spawn")  # a fresh interpreter: no copy of the orchestrator's loop or sockets
-        self._dir = ""
+        self._dir, self._scratch_prefix = "", scratch_prefix  # the workers' sockets: a temp dir of the run's own
         # a worker rebuilds each task from its data as the taskset's declared task type; a task of another class (a
         # taskset that yields a subclass it does not declare) would silently lose its behaviour there
         self.task_type = task_type
@@ -88,7 +89,7 @@ class EnvWorkers:
         return sum(1 for w in self.workers if w is not None and w.live)
 
     async def __aenter__(self) -> "EnvWorkers":
-        self._dir = tempfile.mkdtemp(prefix="primerl-env-")
+        self._dir = tempfile.mkdtemp(prefix=self._scratch_prefix)
         keepers = [self._keep(i) for i in range(self.count)]
         self.supervisor = asyncio.create_task(self._supervise(keepers), name=f"env workers {self.name}")
 

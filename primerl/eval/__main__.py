@@ -33,7 +33,7 @@ from primerl.config.schema import RunConfig
 from primerl.envs.config import EnvConfig
 from primerl.envs.scoring import TaskResult, run_tasks, summarize
 from primerl.transport.atomic import is_stable, write_json
-from primerl.transport.run_dir import eval_summary_path, log_path, vllm_scratch_prefix, weights_path
+from primerl.transport.run_dir import eval_summary_path, log_path, scratch_prefix, weights_path
 from primerl.transport.weights import latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -87,7 +87,7 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
     # one server: the decode server with PD, the first with inference.replicas (one is enough to evaluate)
     spec = render_specs(cfg, model_path, device)[-1 if inf.pd.enabled else 0]
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
-    server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), vllm_scratch_prefix(cfg.output_dir))
+    server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), scratch_prefix(cfg.output_dir, "vllm"))
     with server.start(inf.startup_timeout_s):
         runner = env_runner(
             env,

@@ -26,7 +26,7 @@ from primerl.inference.server import (
     resolve_device,
 )
 from primerl.model.start import prepare_start_model
-from primerl.transport.run_dir import log_path, vllm_scratch_prefix
+from primerl.transport.run_dir import log_path, scratch_prefix
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
@@ -79,7 +79,7 @@ def main(dict_cfg: DictConfig) -> None:
     servers = []
     for spec in render_specs(cfg, model_path, device):
         name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
-        servers.append(VllmServer(spec, log_path(cfg.output_dir, name), vllm_scratch_prefix(cfg.output_dir)))
+        servers.append(VllmServer(spec, log_path(cfg.output_dir, name), scratch_prefix(cfg.output_dir, "vllm")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for server in servers:

@@ -13,12 +13,11 @@ import fcntl
 import os
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 from typing import IO
 
 from primerl.transport.atomic import stale_temporaries
-from primerl.transport.run_dir import driver_lock_path, vllm_scratch_prefix, weights_root
+from primerl.transport.run_dir import driver_lock_path, scratch_dirs, weights_root
 from primerl.transport.weights import WEIGHTS_DIR_ENV
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
@@ -114,7 +113,7 @@ def clear_leftovers(run_dir: Path, grace_s: float = 20.0) -> None:
                         log.warning(f"process {pid} of this run belongs to another user; it is left running")
                         pids.remove(pid)
             wait_until(lambda: not any(_alive(p) for p in pids), "the killed processes to go", poll_s=0.1)
-    stale = stale_temporaries(run_dir) + sorted(Path(tempfile.gettempdir()).glob(vllm_scratch_prefix(run_dir) + "*"))
+    stale = stale_temporaries(run_dir) + scratch_dirs(run_dir)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     if stale:

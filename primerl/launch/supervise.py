@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from primerl.config.schema import RunConfig
 from primerl.launch.progress import Progress
 from primerl.transport.run_dir import sft_metrics_path, sft_run_dir
+from primerl.utils.locks import locked
 from primerl.utils.log import get_logger
 
 log = get_logger("train")
@@ -109,10 +110,14 @@ def run_topology(
 def warm_start(cfg: RunConfig, overrides: list[str], launcher: Launcher, trackers: list, run_dir: Path) -> None:
     """The SFT warm-start when it is needed, and its results in the run's records."""
     from primerl.ledger.record import record_sft
+    from primerl.model.start import sft_checkpoint_dir
 
-    if sft_needed(cfg):
-        # the train run's records hold the SFT results; the SFT process keeps none of its own
-        launcher.run_sft([*overrides, "ledger.enabled=false"])
+    # sweep jobs with one SFT cache key take turns: the first trains it, the others find it STABLE and reuse it
+    target = sft_checkpoint_dir(cfg)
+    with locked(target, f"waiting for another run's SFT warm-start into {target}"):
+        if sft_needed(cfg):
+            # the train run's records hold the SFT results; the SFT process keeps none of its own
+            launcher.run_sft([*overrides, "ledger.enabled=false"])
     results = sft_metrics_path(sft_run_dir(run_dir))
     for tracker in trackers:
         bookkeeping("recording the SFT results", functools.partial(record_sft, tracker, results))

@@ -18,6 +18,7 @@ from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
 from primerl.orchestrator.types import Policy
 from primerl.orchestrator.writer import BatchWriter
+from primerl.transport.run_dir import scratch_prefix
 from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ async def training_envs(
     from primerl.envs.serving import serve_envs
 
     orch = cfg.orchestrator
-    envs, workers = await serve_envs(cfg.mixture or [cfg.env], stack, pools)
+    envs, workers = await serve_envs(cfg.mixture or [cfg.env], stack, pools, scratch_prefix(cfg.output_dir, "env"))
     streams = {name: env.taskset for name, env in envs.items()}
     runner = replica_runner(
         envs, workers, cfg, model_path, replicas, orch.temperature, orch.max_tokens, bool(cfg.mixture)
@@ -107,7 +108,7 @@ async def online_evals(
         return None
     suites = []
     for env_cfg in envs:
-        served, workers = await serve_envs([env_cfg], stack, pools)
+        served, workers = await serve_envs([env_cfg], stack, pools, scratch_prefix(cfg.output_dir, "env"))
         env = served[env_cfg.id]
         name = env_cfg.id if all(s.name != env_cfg.id for s in suites) else f"{env_cfg.id}#{len(suites) + 1}"
         runner = replica_runner(

@@ -3,7 +3,8 @@
 It writes each cut as the trainer's batch file (packed by `build_batch`, atomically), appends the step's metrics row and
 a few sample rollouts, and finds where a restarted orchestrator goes on: the first step without a batch file, and the
 task position stored in the last batch. Batches already written stay as they are (they are trained, not regenerated);
-a metrics row the predecessor died before writing comes back from its batch's metadata.
+a metrics row the predecessor died before writing comes back from its batch's metadata. A full disk stalls the write
+(and so the trainer, which waits for the batch) until there is space again; no rollout of the cut is lost.
 """
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, append_metrics, append_metrics_once
 from primerl.orchestrator.batch import build_batch
+from primerl.transport.atomic import append_lines, when_disk_has_space
 from primerl.transport.batches import Sample, read_rollout_batch, write_rollout_batch
 from primerl.transport.run_dir import rollout_path, samples_path
 
@@ -58,10 +60,14 @@ class BatchWriter:
             metrics=metrics,
             data_position=data_position,
         )
-        write_rollout_batch(self.run_dir, batch)
+        when_disk_has_space(lambda: write_rollout_batch(self.run_dir, batch), f"the batch of step {step}")
         # only in the metrics row: the batch file's own copy of the metrics was written before this was known
         metrics = {**metrics, OrchestratorMetric.WRITE_BATCH_S: time.perf_counter() - started}
-        append_metrics(self.run_dir, ORCHESTRATOR, step, metrics)
-        path = samples_path(self.run_dir)
-        with open(path, "a") as f:
-            f.writelines(json.dumps(e) + "\n" for e in examples)
+        when_disk_has_space(
+            lambda: append_metrics(self.run_dir, ORCHESTRATOR, step, metrics), f"the metrics row of step {step}"
+        )
+        if examples:
+            lines = [json.dumps(e) for e in examples]
+            when_disk_has_space(
+                lambda: append_lines(samples_path(self.run_dir), lines), f"the sample rollouts of step {step}"
+            )

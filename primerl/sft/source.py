@@ -5,8 +5,10 @@ from collections.abc import Iterator
 
 from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import generate
-from primerl.model.start import sft_data_source
-from primerl.sft.data import Conversation, load_conversations
+from primerl.model.resolve import prepare_base_model
+from primerl.model.start import sft_checkpoint_dir, sft_data_source
+from primerl.sft.data import Conversation, conversation_example, load_conversations
+from primerl.transport.atomic import is_stable
 from primerl.utils.errors import ConfigError
 
 
@@ -14,7 +16,8 @@ def check_demonstrations(cfg: RunConfig) -> None:
     """A one-line ConfigError when SFT has nothing to learn from: no generator for the env and no `sft.data`, a bad
     dataset row, or options the generator refuses. Called before any process or rank starts."""
     if cfg.sft.data:
-        load_conversations(cfg.sft.data)
+        conversations = load_conversations(cfg.sft.data)
+        where = [f"{cfg.sft.data} conversation {i}" for i in range(len(conversations))]
     elif sft_data_source(cfg) is None:
         raise ConfigError(
             "sft.data",
@@ -22,7 +25,26 @@ def check_demonstrations(cfg: RunConfig) -> None:
             "(sft.data=FILE.jsonl), or give the env's package a `demonstrations` hook",
         )
     else:
-        generated_conversations(cfg, 1)
+        conversations = generated_conversations(cfg, cfg.sft.batch_size)
+        where = [f"generated demonstration {i} of env {cfg.env.id}" for i in range(len(conversations))]
+    if not is_stable(sft_checkpoint_dir(cfg)):
+        check_lengths(cfg, conversations, where)
+
+
+def check_lengths(cfg: RunConfig, conversations: list[Conversation], where: list[str]) -> None:
+    """Each conversation, rendered by the base model's chat template, fits one packed row of `sft.seq_len` tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_base_model(cfg))
+    for conversation, name in zip(conversations, where):
+        try:
+            tokens = len(conversation_example(tokenizer, conversation.messages, conversation.tools).input_ids)
+        except ValueError as err:
+            raise ConfigError("sft.data", f"{name}: {err}") from None
+        if tokens > cfg.sft.seq_len:
+            raise ConfigError(
+                "sft.seq_len", f"{name} is {tokens} tokens, more than sft.seq_len={cfg.sft.seq_len}; raise it"
+            )
 
 
 def generated_conversations(cfg: RunConfig, count: int) -> list[Conversation]:

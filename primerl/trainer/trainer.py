@@ -28,6 +28,7 @@ from primerl.trainer.dist import DistInfo, all_reduce_sums, data_mesh, shard_mod
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
+from primerl.utils.failpoints import failpoint
 from primerl.utils.log import get_logger
 
 log = get_logger("trainer")
@@ -114,6 +115,8 @@ class Trainer:
             started = time.perf_counter()
             logits, micro = self._logits({k: v.to(self.info.device) for k, v in micro.items()})
             loss, parts = loss_fn(logits, micro)
+            if self.info.is_main and failpoint("trainer.nonfinite_loss"):
+                loss = loss * float("nan")
             backward_at = time.perf_counter()
             forward_s += backward_at - started
             (loss * self.info.world_size).backward()

@@ -1,16 +1,25 @@
-"""Files and directories that appear whole or not at all: written under a temporary name beside the target, then
-renamed into place (a rename within one directory is atomic on POSIX). A crash, a kill or a full disk mid-write leaves
-only a dot-named temporary, which no reader looks at, and never a partial target."""
+"""Files and directories that appear whole or not at all: written under a temporary name beside the target, flushed to
+the disk (fsync), then renamed into place (a rename within one directory is atomic on POSIX) and the directory flushed.
+A crash, a kill or a full disk mid-write leaves only a dot-named temporary, which no reader looks at, and never a
+partial target; after a power or node loss a target is the old one or the whole new one.
 
+Appends (`append_lines`) are whole lines: a line torn by a kill mid-append is ended before the next one, so it stays
+the only bad line and readers skip it. `when_disk_has_space` retries a write that failed for a full disk."""
+
+import errno
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from primerl.utils.log import get_logger
+from primerl.utils.wait import wait_until
+
+log = get_logger("primerl")
 STABLE_MARKER = "STABLE"  # the last file written into a published directory: readers load only directories with it
 TEMPORARY_PREFIX = ".primerl-tmp-"  # every temporary of an atomic write: dot-named, so no reader looks at it
 
@@ -24,7 +33,9 @@ def atomic_file(target: str | Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _fsync(tmp)
         os.replace(tmp, target)
+        _fsync(target.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -60,11 +71,66 @@ def atomic_dir(target: str | Path, mark_stable: bool = True, shared: bool = Fals
         yield staging
         if mark_stable:
             (staging / STABLE_MARKER).touch()
+        for folder, _, files in os.walk(staging):
+            for name in files:
+                _fsync(Path(folder, name))
+            _fsync(folder)
         if target.exists():
             shutil.rmtree(target)
         os.rename(staging, target)
+        _fsync(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fsync(path: str | Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_lines(path: str | Path, lines: list[str]) -> None:
+    """Append each of `lines` (without their newline) to `path` as whole lines, in one write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(line + "\n" for line in lines).encode()
+    with open(path, "a+b") as f:
+        if f.tell() > 0:  # a process killed mid-line left a torn line: start on a fresh one
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                data = b"\n" + data
+        f.write(data)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_WAIT_S = 1800.0  # then the write's error stops the process: a disk full for half an hour needs a person
+
+
+def when_disk_has_space(write: Callable[[], None], what: str) -> None:
+    """Call `write`; while it fails for a full disk (or quota), log it and call it again, with back-off up to 10 s,
+    for at most DISK_FULL_WAIT_S. `write` must be safe to repeat (an atomic write, or an append of whole lines)."""
+    failed: list[OSError] = []
+
+    def attempt() -> bool:
+        try:
+            write()
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            if not failed:
+                log.warning(f"{what}: {e.strerror} ({e.filename or 'no file name'}); retrying until there is space")
+            failed.append(e)
+            return False
+        return True
+
+    wait_until(
+        attempt, f"space on the disk to write {what}", DISK_FULL_WAIT_S, poll_s=0.5, max_poll_s=10, note_every_s=60
+    )
+    if failed:
+        log.info(f"{what}: written after {len(failed)} attempt(s) on a full disk")
 
 
 def is_stable(path: str | Path) -> bool:

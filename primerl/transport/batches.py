@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from primerl.transport.atomic import atomic_file
 from primerl.transport.run_dir import rollout_path
@@ -79,8 +79,9 @@ def write_rollout_batch(run_dir: str | Path, batch: RolloutBatch) -> Path:
     meta = {k: v for k, v in asdict(batch).items() if k != "micro_batches"}
     meta["num_micro_batches"] = len(batch.micro_batches)
     meta["sha256"], meta["data_bytes"] = _digest(tensors, meta)
+    data = save(tensors, metadata={"primerl": json.dumps(meta)})  # bytes: a full disk is Python's OSError (ENOSPC)
     with atomic_file(target) as tmp:
-        save_file(tensors, tmp, metadata={"primerl": json.dumps(meta)})
+        tmp.write_bytes(data)
     return target
 
 

@@ -20,6 +20,7 @@
 """
 
 import hashlib
+import tempfile
 from pathlib import Path
 
 
@@ -107,8 +108,15 @@ def eval_summary_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / "eval.json"
 
 
-def vllm_scratch_prefix(run_dir: str | Path) -> str:
-    """Name prefix of the private temp dirs of this run's vLLM servers (in the system temp dir: vLLM's ZMQ socket
-    paths must stay short), so a rerun can find and remove what a killed server left."""
+def scratch_prefix(run_dir: str | Path, owner: str) -> str:
+    """Name prefix of the private temp dirs of this run's `owner` ("vllm": its servers; "env": its env workers'
+    sockets), in the system temp dir (socket paths must stay short), so a rerun can find and remove what a killed
+    process left."""
     key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
-    return f"primerl-vllm-{key}-"
+    return f"primerl-{owner}-{key}-"
+
+
+def scratch_dirs(run_dir: str | Path) -> list[Path]:
+    """Every private temp dir of this run's servers and env workers that exists now."""
+    temp = Path(tempfile.gettempdir())
+    return sorted(p for owner in ("vllm", "env") for p in temp.glob(scratch_prefix(run_dir, owner) + "*"))

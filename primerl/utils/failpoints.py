@@ -1,0 +1,26 @@
+"""Failpoints: named places where a chaos test makes a running process fail on purpose, at a moment it chooses.
+
+Off unless `PRIMERL_FAILPOINTS` names a directory (the chaos soak sets it; nothing else does). Then `failpoint(name)`
+is True once for each file `<dir>/<name>` the test creates: the process removes the file as the fault fires, so
+exactly one step sees it. Off, a call costs one environment lookup.
+
+Failpoints: `trainer.nonfinite_loss` (the next step's loss on rank 0 is NaN: the update is skipped, as for a real
+non-finite step).
+"""
+
+import os
+from pathlib import Path
+
+FAILPOINTS_ENV = "PRIMERL_FAILPOINTS"
+
+
+def failpoint(name: str) -> bool:
+    """Whether the fault `name` was armed (and now fires, once)."""
+    folder = os.environ.get(FAILPOINTS_ENV)
+    if not folder:
+        return False
+    try:
+        os.unlink(Path(folder) / name)
+    except FileNotFoundError:
+        return False
+    return True
