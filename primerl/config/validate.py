@@ -139,6 +139,8 @@ def _parallelism(cfg: RunConfig) -> None:
         raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
     if par.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
+    if trainer.precision not in ("fp32", "bf16"):
+        raise ConfigError("trainer.precision", f"'{trainer.precision}' is not one of [fp32, bf16]")
 
 
 def _ledger(cfg: RunConfig) -> None:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -26,6 +25,7 @@ from primerl.sft.data import IGNORE, conversation_example, pack
 from primerl.sft.source import check_demonstrations, demonstration_batches
 from primerl.trainer.config import OptimConfig
 from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, init_distributed, main_rank_first
+from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.lr_schedule import warmup_cosine
 from primerl.trainer.trainer import MicroBatch, Trainer
 from primerl.transport.atomic import is_stable, write_json
@@ -37,14 +37,10 @@ log = get_logger("sft")
 STOP_WINDOW = 50  # steps in the mean that `sft.stop_loss` is compared with: ~10k answer tokens at batch 32
 
 
-def assistant_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over assistant tokens (labels != IGNORE)."""
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE,
-        reduction="sum",
-    )
+def assistant_loss_sum(scores: TokenScores, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over assistant tokens (labels != IGNORE): -log pi of each, from the scores of
+    the row's own next tokens (a label that is not IGNORE is the row's token)."""
+    return -(scores.logprobs[:, :-1] * (labels[:, 1:] != IGNORE)).sum()
 
 
 def stop_reached(losses: list[float], stop_loss: float | None) -> bool:
@@ -63,7 +59,7 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     s = cfg.sft
     optim = OptimConfig(lr=s.lr, weight_decay=s.weight_decay, betas=list(s.betas), max_grad_norm=s.max_grad_norm)
     torch.manual_seed(cfg.seed)
-    return Trainer.build(base, info, optim, max_nonfinite_steps=cfg.trainer.max_nonfinite_steps)
+    return Trainer.build(base, info, optim, cfg.trainer, export_dtype=cfg.model.dtype)
 
 
 def sft_step(trainer: Trainer, tokenizer, conversations: list, s: SftConfig, step: int) -> tuple[float, float]:
@@ -75,8 +71,8 @@ def sft_step(trainer: Trainer, tokenizer, conversations: list, s: SftConfig, ste
     )
     global_tokens = all_reduce_sum(packed.num_loss_tokens, info.device)
 
-    def loss_fn(logits: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        return assistant_loss_sum(logits, micro["labels"]) / global_tokens, {"tokens": micro["input_ids"].numel()}
+    def loss_fn(scores: TokenScores, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        return assistant_loss_sum(scores, micro["labels"]) / global_tokens, {"tokens": micro["input_ids"].numel()}
 
     trainer.set_lr(warmup_cosine(step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio))
     micro = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": packed.labels}

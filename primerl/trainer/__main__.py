@@ -27,6 +27,7 @@ from primerl.model.start import prepare_start_model
 from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_checkpointer
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
+from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import policy_loss
 from primerl.trainer.trainer import MicroBatch, Trainer
 from primerl.transport.atomic import is_stable
@@ -87,11 +88,12 @@ def train_on_batch(
 ) -> dict[str, float]:
     """Collective: one RL step on `batch`. Returns the step's metrics row, less the timings around it."""
 
-    def loss_fn(logits: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        parts = policy_loss(logits, micro, batch.num_loss_tokens, cfg.loss, batch.temperature)
+    def loss_fn(scores: TokenScores, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        parts = policy_loss(scores, micro, batch.num_loss_tokens, cfg.loss)
         return parts.loss, parts.sums()
 
-    result = trainer.step(step, rank_micro_batches(batch.micro_batches, dp_rank, dp), loss_fn)
+    micro_batches = rank_micro_batches(batch.micro_batches, dp_rank, dp)
+    result = trainer.step(step, micro_batches, loss_fn, batch.temperature)
     tokens = max(result.sums["tokens"], 1.0)
     return {
         TrainerMetric.LOSS: result.sums["loss"],
@@ -137,7 +139,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     dp = resolve_dp_shard(cfg, info.world_size)
     base = main_rank_first(info, lambda: prepare_start_model(cfg))
     torch.manual_seed(cfg.seed)
-    trainer = Trainer.build(base, info, tcfg.optim, cfg.model.dtype, cp, cfg.parallelism.ep, tcfg.max_nonfinite_steps)
+    trainer = Trainer.build(base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype)
     start, logged = resume(trainer, run_dir)
     with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
         for step in range(start, tcfg.max_steps):  # the last checkpoint is STABLE before the `with` ends

@@ -45,5 +45,14 @@ class TrainerConfig:
     checkpoint_async: bool = True
     # steps in a row whose loss or grad norm is not finite (each is skipped) that stop the run
     max_nonfinite_steps: int = bounded(3, ge=1)
+    # fp32: compute in fp32; bf16: compute in bf16, gradients reduced in fp32. The optimizer always updates fp32
+    # master weights; the weights served are written in model.dtype.
+    precision: str = "fp32"
+    # tokens scored at a time from the final hidden states (primerl/trainer/logprobs.py): memory ~ chunk x vocab x
+    # 4 bytes instead of a whole micro-batch's; null: the whole micro-batch at once (the full-vocabulary tensor)
+    logprob_chunk_size: int | None = bounded(1024, ge=1)
+    # recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1/3 more
+    # compute)
+    activation_checkpointing: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -48,7 +48,7 @@ _current: _RowLayout | None = None
 
 def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if _current is None:
-        raise RuntimeError("context-parallel attention called outside ContextParallel.inputs()")
+        raise RuntimeError("context-parallel attention called before any ContextParallel.inputs()")
     cp = ContextParallel.active
     key = _GatherSequence.apply(key, cp.group, cp.rank, cp.size)
     value = _GatherSequence.apply(value, cp.group, cp.rank, cp.size)
@@ -80,6 +80,10 @@ class ContextParallel:
     def enable(model: torch.nn.Module) -> None:
         model.config._attn_implementation = ATTENTION_NAME
 
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a per-token field of the rows."""
+        return self._slice(t)
+
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         length = t.shape[1] // self.size
         return t[:, self.rank * length : (self.rank + 1) * length]
@@ -95,16 +99,15 @@ class ContextParallel:
         index = torch.arange(positions.shape[1], device=positions.device)
         local_doc, local_index = self._slice(document), self._slice(index.unsqueeze(0))[0]
         allowed = (local_doc[:, :, None] == document[:, None, :]) & (local_index[:, None] >= index[None, :])
+        # kept after the block, until the next micro-batch's: with activation checkpointing the backward runs
+        # attention again, outside this block (Trainer.step runs each micro-batch's backward before the next forward)
         _current = _RowLayout(allowed.unsqueeze(1))
-        try:
-            yield self._slice(micro["input_ids"]), self._slice(positions)
-        finally:
-            _current = None
+        yield self._slice(micro["input_ids"]), self._slice(positions)
 
     def loss_inputs(self, logits: torch.Tensor, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """Logits and per-token fields shaped so `policy_loss` (which predicts field[t+1] from logits[t]) scores
-        exactly this slice's predictions: the fields get the next slice's first token, the logits a dummy last row
-        that the loss drops. The last slice's dummy target has loss_mask False."""
+        """Scores (or logits) and per-token fields shaped so a loss (which predicts field[t+1] from scores[t])
+        scores exactly this slice's predictions: the fields get the next slice's first token, the scores a dummy
+        last column that the loss drops. The last slice's dummy target has loss_mask False."""
         length = logits.shape[1]
         start = self.rank * length
         fields = {}

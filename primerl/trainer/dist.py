@@ -12,7 +12,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from primerl.utils.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -63,11 +65,25 @@ def data_mesh(info: DistInfo, dp_shard: int) -> DeviceMesh:
     return init_device_mesh(info.device.type, (dp_shard,), mesh_dim_names=("dp_shard",))
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh, ep: int = 1) -> set[torch.nn.Parameter]:
+def mixed_precision(precision: str, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's policy for `trainer.precision`: fp32 computes in the parameters' dtype (fp32); bf16 all-gathers and
+    computes in bf16 and reduce-scatters gradients in fp32 (gloo cannot reduce bf16; nothing is reduced in bf16
+    anyway), into the fp32 master weights that AdamW updates."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("trainer.precision", f"bf16 is not supported by {torch.cuda.get_device_name(device)}")
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_model(
+    model: torch.nn.Module, mesh: DeviceMesh, ep: int = 1, mp_policy: MixedPrecisionPolicy | None = None
+) -> set[torch.nn.Parameter]:
     """FSDP2: each decoder layer is its own unit (all-gathered just in time), the rest is the root unit.
 
     With ep > 1 the MoE experts are first sharded over the same mesh by expert (primerl.trainer.expert_parallel)
     and kept out of FSDP; returns those expert parameters (empty without EP)."""
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     experts: set[torch.nn.Parameter] = set()
     if ep > 1:
         from primerl.trainer.expert_parallel import apply_expert_parallel
@@ -76,8 +92,8 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, ep: int = 1) -> set[to
             raise ValueError(f"expert parallel needs ep == the FSDP mesh size, got ep={ep}, mesh={mesh.size()}")
         experts = apply_expert_parallel(model, mesh)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=experts or None)
-    fully_shard(model, mesh=mesh, ignored_params=experts or None)
+        fully_shard(layer, mesh=mesh, ignored_params=experts or None, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, ignored_params=experts or None, mp_policy=mp_policy)
     return experts
 
 

@@ -17,9 +17,9 @@ and the policy's entropy on sampled positions.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from primerl.trainer.config import LossConfig
+from primerl.trainer.logprobs import TokenScores
 
 
 @dataclass
@@ -40,17 +40,10 @@ class LossParts:
         }
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(input_ids[:, t+1] | prefix) for t = 0..T-2, from logits at temperature `temperature`."""
-    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def policy_loss(
-    logits: torch.Tensor, micro: dict[str, torch.Tensor], total_tokens: int, cfg: LossConfig, temperature: float = 1.0
-) -> LossParts:
+def policy_loss(scores: TokenScores, micro: dict[str, torch.Tensor], total_tokens: int, cfg: LossConfig) -> LossParts:
+    """`scores` at the batch's sampling temperature (primerl.trainer.logprobs)."""
     mask = micro["loss_mask"][:, 1:]
-    logp = token_logprobs(logits, micro["input_ids"], temperature)
+    logp = scores.logprobs[:, :-1]
     log_ratio = logp - micro["inference_logprobs"][:, 1:]
     ratio = torch.exp(log_ratio)
     in_region = (ratio.detach() >= cfg.mask_ratio_low) & (ratio.detach() <= cfg.mask_ratio_high)
@@ -60,6 +53,5 @@ def policy_loss(
     with torch.no_grad():
         lr64 = log_ratio.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
         kl = (torch.exp(lr64) - 1 - lr64).sum().item()
-        probs = F.softmax(logits[:, :-1].float() / temperature, dim=-1)
-        entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)[mask].sum().item()
+        entropy = scores.entropy[:, :-1][mask].sum().item()
     return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()))

@@ -8,7 +8,12 @@ Invariants of `step`, whatever the loss:
 - every rank calls `step` with the same number of micro-batches (at least one) and its loss function returns the
   same keys on every rank: the sums are all-reduced in one collective;
 - an update whose loss or global gradient norm is not finite is skipped (the weights and optimizer state stay as
-  they were); `max_nonfinite_steps` skipped in a row raise a RunError, and the run stops at its last checkpoint.
+  they were); `max_nonfinite_steps` skipped in a row raise a RunError, and the run stops at its last checkpoint;
+- the weights the optimizer updates are fp32 (master weights) whatever the model's stored dtype; with
+  `precision="bf16"` FSDP2 computes forward and backward in bf16 and reduces gradients in fp32
+  (`MixedPrecisionPolicy`), so an update smaller than bf16's resolution (2^-8 relative) still moves the weights;
+- the model's forward scores tokens (primerl.trainer.logprobs.ScoresHead): a loss function gets `TokenScores`,
+  never the [B, T, vocab] logits.
 """
 
 import math
@@ -22,10 +27,11 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from primerl.trainer.checkpoint import load_checkpoint
-from primerl.trainer.config import OptimConfig
+from primerl.trainer.config import OptimConfig, TrainerConfig
 from primerl.trainer.context_parallel import ContextParallel
-from primerl.trainer.dist import DistInfo, all_reduce_sums, data_mesh, shard_model
+from primerl.trainer.dist import DistInfo, all_reduce_sums, data_mesh, mixed_precision, shard_model
 from primerl.trainer.expert_parallel import scale_expert_grads
+from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
 from primerl.utils.failpoints import failpoint
@@ -34,8 +40,8 @@ from primerl.utils.log import get_logger
 log = get_logger("trainer")
 
 MicroBatch = dict[str, torch.Tensor]
-# (logits, micro-batch) -> (this micro-batch's share of the global loss, sums to report: same keys on every rank)
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+# (scores, micro-batch) -> (this micro-batch's share of the global loss, sums to report: same keys on every rank)
+LossFn = Callable[[TokenScores, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Trainer:
         self.max_grad_norm, self.max_nonfinite_steps = max_grad_norm, max_nonfinite_steps
         self.context, self.expert_params = context, expert_params or set()
         self.skipped_in_a_row = 0
+        self.export_dtype = torch.float32
 
     @classmethod
     def build(
@@ -71,50 +78,72 @@ class Trainer:
         base: str | Path,
         info: DistInfo,
         optim: OptimConfig,
-        dtype: str = "float32",
+        compute: TrainerConfig,
         cp: int = 1,
         ep: int = 1,
-        max_nonfinite_steps: int = 3,
+        export_dtype: str = "float32",
     ) -> "Trainer":
-        """Load the HF model at `base` in `dtype`, enable CP over groups of `cp` ranks, shard it with FSDP2 over
-        every rank (a CP group's ranks share each row, so they share micro-batches), EP over the same mesh when
-        `ep` > 1; then AdamW. Seed torch first: a model built here (not loaded) starts the same on every rank."""
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=getattr(torch, dtype)).to(info.device)
+        """Load the HF model at `base` in fp32, put a `ScoresHead` in place of its lm_head, checkpoint each decoder
+        layer's activations when asked, enable CP over groups of `cp` ranks, shard it with FSDP2 over every rank (a
+        CP group's ranks share each row, so they share micro-batches; bf16: compute in bf16, reduce in fp32), EP
+        over the same mesh when `ep` > 1; then AdamW. `export_dtype`: the dtype of the weights `export` writes (the
+        served model's). `compute`: the trainer's precision, scoring chunk, activation checkpointing and non-finite
+        policy (the rest of it is the RL loop's). Seed torch first: a model built here (not loaded) starts the same
+        on every rank."""
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(info.device)
         model.train()
+        model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
+        if compute.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         context = ContextParallel(info.rank, info.world_size, cp) if cp > 1 else None
         if context:
             context.enable(model)
-        expert_params = shard_model(model, data_mesh(info, info.world_size), ep)
+        mesh = data_mesh(info, info.world_size)
+        expert_params = shard_model(model, mesh, ep, mixed_precision(compute.precision, info.device))
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
         )
-        return cls(model, optimizer, info, base, optim.max_grad_norm, max_nonfinite_steps, context, expert_params)
+        trainer = cls(
+            model, optimizer, info, base, optim.max_grad_norm, compute.max_nonfinite_steps, context, expert_params
+        )
+        trainer.export_dtype = getattr(torch, export_dtype)
+        return trainer
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _logits(self, micro: MicroBatch) -> tuple[torch.Tensor, MicroBatch]:
-        """Logits of the micro-batch's rows, and the micro-batch as the loss must see it (CP: this rank's slice)."""
-        if self.context is None:
-            # use_cache=False matters: with a KV cache transformers skips the block-causal mask of packed rows
-            logits = self.model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
-            return logits.logits, micro
-        with self.context.inputs(micro) as (input_ids, position_ids):
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        return self.context.loss_inputs(logits, micro)
+    def _scores(self, micro: MicroBatch, temperature: float) -> tuple[TokenScores, MicroBatch]:
+        """Scores of the micro-batch's rows at `temperature`, and the micro-batch as the loss must see it (CP: this
+        rank's slice)."""
+        head: ScoresHead = self.model.lm_head
+        head.targets, head.temperature = next_tokens(micro["input_ids"]), temperature
+        try:
+            if self.context is None:
+                # use_cache=False matters: with a KV cache transformers skips the block-causal mask of packed rows
+                out = self.model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
+                return TokenScores.unpack(out.logits), micro
+            head.targets = self.context.local(head.targets)
+            with self.context.inputs(micro) as (input_ids, position_ids):
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            packed, micro = self.context.loss_inputs(out.logits, micro)
+            return TokenScores.unpack(packed), micro
+        finally:
+            head.targets = None
 
-    def step(self, index: int, micro_batches: list[MicroBatch], loss_fn: LossFn) -> StepResult:
-        """Collective: forward/backward over this rank's micro-batches, clip, and the AdamW step unless not finite.
-        `index` names the step in the warning and error about non-finite steps."""
+    def step(
+        self, index: int, micro_batches: list[MicroBatch], loss_fn: LossFn, temperature: float = 1.0
+    ) -> StepResult:
+        """Collective: forward/backward over this rank's micro-batches (scored at `temperature`), clip, and the AdamW
+        step unless not finite. `index` names the step in the warning and error about non-finite steps."""
         if not micro_batches:
             raise ValueError("every rank needs at least one micro-batch (pad with loss-free ones)")
         sums: dict[str, float] = {}
         forward_s = backward_s = 0.0
         for micro in micro_batches:
             started = time.perf_counter()
-            logits, micro = self._logits({k: v.to(self.info.device) for k, v in micro.items()})
-            loss, parts = loss_fn(logits, micro)
+            scores, micro = self._scores({k: v.to(self.info.device) for k, v in micro.items()}, temperature)
+            loss, parts = loss_fn(scores, micro)
             if self.info.is_main and failpoint("trainer.nonfinite_loss"):
                 loss = loss * float("nan")
             backward_at = time.perf_counter()
@@ -159,5 +188,5 @@ class Trainer:
         atomically and STABLE-marked, from rank 0."""
         state = full_state_dict(self.model)
         if self.info.is_main:
-            save_hf_checkpoint(state, self.base, out_dir)
+            save_hf_checkpoint({k: v.to(self.export_dtype) for k, v in state.items()}, self.base, out_dir)
         dist.barrier()
