@@ -270,7 +270,10 @@ def check_steps(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bo
     trainer_steps = [r["step"] for r in read_metrics(run, TRAINER)]
     checks.append(("trainer rows 0..steps-1 once", trainer_steps == list(range(steps)), f"{len(trainer_steps)} rows"))
     log = (run / "logs" / "trainer.log").read_text()
-    twice = [s for s in range(steps) if log.count(f"trainer: step {s}:") > 1]
+    reports = [
+        line for line in log.splitlines() if "update skipped" not in line
+    ]  # a NaN step's warning is not a report
+    twice = [s for s in range(steps) if sum(f"trainer: step {s}:" in line for line in reports) > 1]
     starts = [
         int(line.split("trainer: starting at step ")[1].split()[0])
         for line in log.splitlines()
@@ -315,9 +318,10 @@ def check_record(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, b
     record = json.loads((run / "ledger.json").read_text())
     client = MlflowClient(record["tracking_uri"])
     checks = [("MLflow run FINISHED", (status := client.get_run(record["run_id"]).info.status) == "FINISHED", status)]
-    for name in ("trainer/loss", "orchestrator/reward/mean"):
+    finite = [r["step"] for r in read_metrics(run, TRAINER) if r["loss"] is not None]  # a NaN step's loss: no point
+    for name, want in (("trainer/loss", finite), ("orchestrator/reward/mean", list(range(steps)))):
         history = sorted(m.step for m in client.get_metric_history(record["run_id"], name))
-        checks.append((f"{name} once per step", history == list(range(steps)), f"{len(history)} points"))
+        checks.append((f"{name} once per step with a value", history == want, f"{len(history)} points"))
     sampled, torn = [], 0
     for line in samples_path(run).read_text().splitlines():
         try:

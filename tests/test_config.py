@@ -3,6 +3,9 @@
 import collections
 import dataclasses
 import enum
+import os
+import subprocess
+import sys
 import types
 import typing
 from pathlib import Path
@@ -29,6 +32,13 @@ def test_every_experiment_composes_and_validates(experiment):
     assert cfg.name == experiment
 
 
+def cache_dir_model() -> Path:
+    """The default tiny model's directory (built on first use): a Hugging Face causal LM with a chat template."""
+    from primerl.model.resolve import prepare_base_model
+
+    return Path(prepare_base_model(check([])))
+
+
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_group_option_composes(group, option):
     overrides = [f"{group}={option}"]
@@ -36,6 +46,8 @@ def test_every_group_option_composes(group, option):
         overrides.append("env.id=some-env")
     if (group, option) == ("parallelism", "fsdp2_ep"):
         overrides.append("model=tiny_moe")
+    if (group, option) == ("model", "hf"):
+        overrides.append(f"model.path={cache_dir_model()}")
     check(overrides)
 
 
@@ -45,7 +57,9 @@ def test_every_group_option_composes(group, option):
         (["trainer.lr=1e-5"], "trainer.lr", "allowed keys: seq_len"),
         (["trainer.seq_len=long"], "trainer.seq_len", "could not be converted to Integer"),
         (["model.source=bogus"], "model.source", "expected one of [tiny, hub, path]"),
-        (["model=gpt9"], "model=gpt9", "available: qwen3_0_6b, tiny"),
+        (["model=gpt9"], "model=gpt9", "available: hf, qwen3_0_6b, tiny"),
+        (["model=hf"], "model.path", "required when model.source=path"),
+        (["trainer.precision=fp16"], "trainer.precision", "'fp16' is not one of [fp32, bf16]"),
         (["orchestrator.batch_size=30"], "orchestrator.batch_size", "not divisible by orchestrator.group_size=8"),
         (["orchestrator.async_level=-1"], "orchestrator.async_level", "must be >= 0"),
         (["inference.host=0.0.0.0"], "inference.api_key", "not a loopback address"),
@@ -55,7 +69,6 @@ def test_every_group_option_composes(group, option):
         (["model.source=path"], "model.path", "required when model.source=path"),
         (["model.source=path", "model.path=/no/such/model"], "model.path", "not a Hugging Face model directory"),
         (["trainer.checkpoint_every=0"], "trainer.checkpoint_every", "must be >= 1"),
-        (["trainer.precision=fp16"], "trainer.precision", "'fp16' is not one of [fp32, bf16]"),
         (["trainer.logprob_chunk_size=0"], "trainer.logprob_chunk_size", "must be >= 1"),
         (
             ["parallelism=fsdp2_cp", "trainer.seq_len=511", "inference.max_model_len=256"],
@@ -225,3 +238,50 @@ def test_a_bad_value_through_the_real_command_line():
         result = run_module(module, override, timeout=120)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert result.stderr.startswith(f"primerl: config error: {override.split('=')[0]}"), result.stderr
+
+
+def test_a_model_directory_must_be_a_causal_lm_with_a_chat_template(tmp_path):
+    """model=hf model.path=DIR: a directory that is not a causal LM, or whose tokenizer has no chat template, is one
+    line naming model.path, before anything starts."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(cache_dir_model(), model)
+    check(["model=hf", f"model.path={model}"])
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3Model"]}))
+    with pytest.raises(ConfigError) as err:
+        check(["model=hf", f"model.path={model}"])
+    assert err.value.key == "model.path" and "is not a causal LM (architectures: ['Qwen3Model'])" in err.value.message
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError) as err:
+        check(["model=hf", f"model.path={model}"])
+    assert err.value.key == "model.path" and "no tokenizer with a chat template" in err.value.message
+
+
+def test_a_hub_model_resolves_to_its_cached_snapshot_and_offline_uncached_is_one_line(tmp_path):
+    """model.source=hub: the id is resolved to the snapshot in the local Hugging Face cache (what every process then
+    loads); offline and not cached, a one-line config error naming model.hub_id."""
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--primerl--tiny-test" / "snapshots" / "0123abcd"
+    shutil.copytree(cache_dir_model(), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = "from primerl.model.resolve import hub_snapshot as s; print(s('primerl/tiny-test'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    assert result.returncode == 0 and result.stdout.strip() == str(snapshot), result.stderr[-2000:]
+    result = run_module(
+        "primerl.train",
+        "model=qwen3_0_6b",
+        "sft.enabled=false",
+        "ledger.enabled=false",
+        f"hydra.run.dir={tmp_path}/run",
+        env=env,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "config error: model.hub_id: Qwen/Qwen3-0.6B is not in the local Hugging Face cache" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -90,8 +90,12 @@ def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_gradients(
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mlp, count, kept = model.model.layers[0].mlp, [0], [0]
-        forward = mlp.forward
-        mlp.forward = lambda *a, _f=forward, **k: (count.__setitem__(0, count[0] + 1), _f(*a, **k))[1]
+
+        def counted(*args, _forward=mlp.forward, _count=count, **kwargs):
+            _count[0] += 1
+            return _forward(*args, **kwargs)
+
+        mlp.forward = counted
         model.lm_head = ScoresHead(model.lm_head, chunk=8)
         model.lm_head.targets = next_tokens(ids)
 

@@ -148,13 +148,41 @@ def _check_ledger(run, trainer_rows):
     assert model.name == "policy-v3" and model.tags["primerl.weights_dir"] == tags["checkpoint.final"]
 
 
-def test_environment_mixture_with_a_multi_turn_env(cache_dir, tmp_path):
+def save_qwen3_model(directory) -> None:
+    """A Qwen3-architecture causal LM with random weights and the project's tokenizer, saved by save_pretrained: what
+    a user's local model directory looks like to `model=hf model.path=DIR`."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from primerl.model.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def test_environment_mixture_with_a_multi_turn_env_on_a_model_from_a_directory(cache_dir, tmp_path):
     """Two envs by weight, from the experiment's command (its SFT left on: a mixture has no demonstrations); one of
-    them, primerl-guess-number (any installed verifiers env by id), is multi-turn."""
+    them, primerl-guess-number (any installed verifiers env by id), is multi-turn. The model is a Hugging Face
+    directory (`model=hf model.path=DIR`), served by vLLM and trained by the trainer from there."""
     run = tmp_path / "mixture"
+    save_qwen3_model(tmp_path / "qwen3")
+    model = ["model=hf", f"model.path={tmp_path / 'qwen3'}", "model.dtype=float32"]
     mixture = "mixture=[{id:primerl-reverse-text,weight:1},{id:primerl-guess-number,weight:1,args:{high:16}}]"
     result = _train(
-        run, mixture, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2, sft=True
+        run, mixture, *model, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2, sft=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no SFT warm-start: no demonstrations for a mixture" in result.stderr

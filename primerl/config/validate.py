@@ -7,6 +7,7 @@ from pathlib import Path
 from primerl.config.schema import RunConfig
 from primerl.inference.config import OWNED_VLLM_FLAGS
 from primerl.launch.config import JOB_ROLES
+from primerl.model.checks import check_model_dir
 from primerl.model.config import ModelSource
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
@@ -108,8 +109,8 @@ def _model(cfg: RunConfig) -> None:
         raise ConfigError("model.hub_id", "required when model.source=hub")
     if model.source == ModelSource.path and not model.path:
         raise ConfigError("model.path", "required when model.source=path")
-    if model.source == ModelSource.path and not (Path(model.path).expanduser() / "config.json").exists():
-        raise ConfigError("model.path", f"{model.path} is not a Hugging Face model directory (no config.json)")
+    if model.source == ModelSource.path:
+        check_model_dir(Path(model.path).expanduser(), "model.path")
 
 
 def _data(cfg: RunConfig) -> None:

@@ -79,10 +79,13 @@ def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Fail with one ConfigError before any process starts: an unknown env id or bad env args, a bad SFT dataset row
-    or generator options, a parallel layout the launcher cannot place, a port something else listens on."""
+    """Fail with one ConfigError before any process starts: a model that is not there (a hub id offline and not
+    cached, a directory that is not a chat causal LM), an unknown env id or bad env args, a bad SFT dataset row or
+    generator options, a parallel layout the launcher cannot place, a port something else listens on. A hub model
+    is fetched here, once, into the local Hugging Face cache, where every process then finds it."""
     from primerl.config.validate import resolve_dp_shard
     from primerl.envs.verifiers_env import load_env
+    from primerl.model.resolve import prepare_base_model
     from primerl.model.start import sft_applies
 
     load_env(cfg.env)
@@ -91,13 +94,14 @@ def preflight(cfg: RunConfig) -> None:
             load_env(entry)
         except ConfigError as err:
             raise ConfigError(f"mixture[{i}].{err.key.removeprefix('env.')}", err.message) from None
+    resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
+    if cfg.launcher.name == "local":
+        refuse_taken_ports(cfg)
+    prepare_base_model(cfg)  # last: it may build or download the model
     if sft_applies(cfg):
         from primerl.sft.source import check_demonstrations
 
         check_demonstrations(cfg)
-    resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
-    if cfg.launcher.name == "local":
-        refuse_taken_ports(cfg)
 
 
 def open_ledger(cfg: RunConfig, dict_cfg: DictConfig, hydra_cfg):
