@@ -69,6 +69,8 @@ def test_every_group_option_composes(group, option):
         (["model.source=path"], "model.path", "required when model.source=path"),
         (["model.source=path", "model.path=/no/such/model"], "model.path", "not a Hugging Face model directory"),
         (["trainer.checkpoint_every=0"], "trainer.checkpoint_every", "must be >= 1"),
+        (["trainer.attention=flash_attention_2"], "trainer.attention", "needs the `flash_attn` package"),
+        (["trainer.attention=fast"], "trainer.attention", "'fast' is not one of [sdpa, eager, flex_attention"),
         (["trainer.logprob_chunk_size=0"], "trainer.logprob_chunk_size", "must be >= 1"),
         (
             ["parallelism=fsdp2_cp", "trainer.seq_len=511", "inference.max_model_len=256"],
@@ -285,3 +287,58 @@ def test_a_hub_model_resolves_to_its_cached_snapshot_and_offline_uncached_is_one
     assert result.returncode == 2, result.stderr[-2000:]
     assert "config error: model.hub_id: Qwen/Qwen3-0.6B is not in the local Hugging Face cache" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_plan_gives_each_replica_and_trainer_rank_its_own_gpu(monkeypatch):
+    """The local launcher's CUDA_VISIBLE_DEVICES per process (primerl/config/gpus.py), from counts or lists; sharing
+    one GPU only when asked, with vLLM's memory share bounded; every bad layout one line naming the key."""
+    from primerl.config.gpus import plan_gpus, visible_gpus
+
+    def plan(visible: list[str], *overrides: str):
+        cfg = check(list(overrides))
+        return plan_gpus(cfg.launcher, cfg.inference, visible)
+
+    assert plan([]).trainer_env() == {} and plan([]).orchestrator_env() == {}  # no CUDA: nothing set
+    two = plan(["0", "1"])
+    assert two.replica_env(0) == {"CUDA_VISIBLE_DEVICES": "0"} and two.trainer_env() == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert two.orchestrator_env() == {"CUDA_VISIBLE_DEVICES": ""}
+    four = plan(["0", "1", "2", "3"], "inference.replicas=2", "launcher.trainer_tasks_per_node=2")
+    assert four.inference == ("0", "1") and four.trainer == ("2", "3")
+    picked = plan(["0", "1", "2", "3"], "launcher.inference_gpu_ids=[3]", "launcher.trainer_gpu_ids=[0]")
+    assert picked.inference == ("3",) and picked.trainer == ("0",)
+    assert plan(["0", "1", "2"], "launcher.inference_gpu_ids=[1]").trainer == ("0",)  # the rest, in order
+    shared = plan(["0"], "launcher.share_gpu=true", "inference.gpu_memory_utilization=0.4")
+    assert shared.inference == ("0",) and shared.trainer == ("0",)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert visible_gpus() == ["3", "5"]
+    for visible, overrides, key, fragment in [
+        (["0"], [], "launcher.share_gpu", "this machine shows one GPU (0)"),
+        (
+            ["0"],
+            ["launcher.share_gpu=true", "inference.gpu_memory_utilization=0.9"],
+            "inference.gpu_memory_utilization",
+            "at most 0.5",
+        ),
+        (
+            ["0", "1"],
+            ["launcher.inference_gpu_ids=[1]", "launcher.trainer_gpu_ids=[1]"],
+            "launcher.trainer_gpu_ids",
+            "GPU(s) 1 would serve inference and train",
+        ),
+        (
+            ["0", "1"],
+            ["launcher.trainer_gpu_ids=[7]"],
+            "launcher.trainer_gpu_ids",
+            "GPU(s) 7 not among this machine's (0, 1)",
+        ),
+        (["0", "1"], ["inference.replicas=2"], "launcher.trainer_gpus", "0 GPU(s) for 1 trainer rank(s)"),
+        (
+            ["0", "1", "2"],
+            ["inference.replicas=2", "launcher.inference_gpus=1"],
+            "launcher.inference_gpus",
+            "1 GPU(s) for 2 inference replica(s)",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            plan(visible, *overrides)
+        assert err.value.key == key and fragment in err.value.message, err.value.message

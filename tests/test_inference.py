@@ -307,6 +307,11 @@ def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():
     assert spec.args[spec.args.index("--quantization") + 1] == "fp8"
     assert spec.args[spec.args.index("--kv-cache-dtype") + 1] == "fp8"
     assert "--gpu-memory-utilization" in spec.args
+    assert "--enforce-eager" not in spec.args  # CUDA graphs on GPU unless inference.enforce_eager=true
+    (cpu,) = render_specs(check([]), "/m", "cpu")
+    assert "--enforce-eager" in cpu.args  # on CPU: no graph capture or compile wait
+    (eager,) = render_specs(check(["inference.enforce_eager=true"]), "/m", "cuda")
+    assert "--enforce-eager" in eager.args
     with pytest.raises(ConfigError, match="inference.quantization"):
         check_supported(fp8.inference, "cpu")
 

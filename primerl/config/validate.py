@@ -1,16 +1,26 @@
 """Cross-field checks that a typed schema cannot express. Each failure names the offending key."""
 
+import importlib.util
 import ipaddress
 import math
 from pathlib import Path
 
+from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
 from primerl.inference.config import OWNED_VLLM_FLAGS
 from primerl.launch.config import JOB_ROLES
-from primerl.model.checks import check_model_dir
 from primerl.model.config import ModelSource
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
+
+# trainer.attention: transformers' attn_implementation -> the package it needs (None: torch's own)
+ATTENTION_KERNELS = {
+    "sdpa": None,
+    "eager": None,
+    "flex_attention": None,
+    "flash_attention_2": "flash_attn",
+    "flash_attention_3": "flash_attn_interface",
+}
 
 
 def _is_loopback(host: str) -> bool:
@@ -142,6 +152,11 @@ def _parallelism(cfg: RunConfig) -> None:
         raise ConfigError("parallelism.backend", f"'{par.backend}' is not one of [auto, gloo, nccl]")
     if trainer.precision not in ("fp32", "bf16"):
         raise ConfigError("trainer.precision", f"'{trainer.precision}' is not one of [fp32, bf16]")
+    kernels = ATTENTION_KERNELS.get(trainer.attention, "unknown")
+    if kernels == "unknown":
+        raise ConfigError("trainer.attention", f"'{trainer.attention}' is not one of [{', '.join(ATTENTION_KERNELS)}]")
+    if kernels and importlib.util.find_spec(kernels) is None:
+        raise ConfigError("trainer.attention", f"{trainer.attention} needs the `{kernels}` package, not installed here")
 
 
 def _ledger(cfg: RunConfig) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
+from primerl.config.gpus import plan_gpus, visible_gpus
 from primerl.inference.server import (
     InferenceStartError,
     VllmServer,
@@ -76,8 +77,13 @@ def main(dict_cfg: DictConfig) -> None:
             "`python -m primerl.sft` with the same config first, or set sft.enabled=false",
         )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
+    specs = render_specs(cfg, model_path, device)
+    if node is None and not cfg.inference.pd.enabled:  # locally, each replica on its own GPU (primerl.config.gpus)
+        gpus = plan_gpus(cfg.launcher, cfg.inference, visible_gpus())
+        for replica, spec in enumerate(specs):
+            spec.env |= gpus.replica_env(replica)
     servers = []
-    for spec in render_specs(cfg, model_path, device):
+    for spec in specs:
         name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
         servers.append(VllmServer(spec, log_path(cfg.output_dir, name), scratch_prefix(cfg.output_dir, "vllm")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -51,7 +51,8 @@ class InferenceConfig:
     # socket; vLLM's own is 1 s. On a small machine that spin holds a core the trainer needs; 0.005 gives it back
     # (measured: benchmarks/results.md, "Step profile"). None: vLLM's.
     cpu_idle_spin_s: float | None = bounded(0.005, ge=0)
-    enforce_eager: bool = True
+    # None: eager on CPU (no graph capture or compile wait), CUDA graphs on GPU; true / false to choose
+    enforce_eager: bool | None = None
     quantization: Quantization = Quantization.none
     kv_cache_dtype: KvCacheDtype = KvCacheDtype.auto
     pd: PdConfig = field(default_factory=PdConfig)

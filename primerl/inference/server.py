@@ -109,7 +109,7 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         "--middleware",
         "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
     ]
-    if inf.enforce_eager:
+    if inf.enforce_eager or (inf.enforce_eager is None and device == "cpu"):
         args.append("--enforce-eager")
     if device == "cuda":
         args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]

@@ -28,8 +28,15 @@ class LauncherConfig:
     account: str | None = None
     qos: str | None = None
     time_limit_min: int = bounded(60, ge=1)
-    trainer_gpus: int = bounded(0, ge=0)  # per node
-    inference_gpus: int = bounded(0, ge=0)  # per inference job
+    # GPUs (SLURM: per trainer node and per inference job; local: of this machine, 0: one per rank and per replica)
+    trainer_gpus: int = bounded(0, ge=0)
+    inference_gpus: int = bounded(0, ge=0)
+    # local: which GPUs, by CUDA id (instead of counts); inference and trainer must not share one ...
+    inference_gpu_ids: list[str] = field(default_factory=list)
+    trainer_gpu_ids: list[str] = field(default_factory=list)
+    # ... unless this is set: on a one-GPU machine every process uses GPU 0, vLLM bounded to half its memory
+    # (primerl/config/gpus.py)
+    share_gpu: bool = False
     # the inference.replicas are served by this many jobs, on any nodes, inference.replicas / inference_jobs each
     inference_jobs: int = bounded(1, ge=1)
     cpus_per_task: int = bounded(2, ge=1)

@@ -10,6 +10,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primerl.config.gpus import plan_gpus, visible_gpus
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
@@ -49,16 +50,19 @@ class LocalLauncher:
             overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
         cpu = self.cfg.inference.device == "cpu" or (self.cfg.inference.device == "auto" and not _has_cuda())
         nproc = self.cfg.launcher.trainer_tasks_per_node
+        gpus = plan_gpus(self.cfg.launcher, self.cfg.inference, visible_gpus())  # replicas: primerl.inference
         self._spawn("inference", module_command("primerl.inference", overrides, self.run_dir), child_env())
         self._spawn(
-            "orchestrator", module_command("primerl.orchestrator", overrides, self.run_dir), child_env(threads=1)
+            "orchestrator",
+            module_command("primerl.orchestrator", overrides, self.run_dir),
+            child_env(threads=1) | gpus.orchestrator_env(),
         )
         # on CPU, vLLM pins one core; by default the trainer gets the rest
         threads = self.cfg.launcher.trainer_threads or (max(1, (os.cpu_count() or 2) - 1) if cpu else None)
         self._spawn(
             "trainer",
             module_command("primerl.trainer", overrides, self.run_dir, nproc),
-            child_env(threads=threads) | LOOPBACK_GLOO,
+            child_env(threads=threads) | LOOPBACK_GLOO | gpus.trainer_env(),
         )
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:

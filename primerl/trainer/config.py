@@ -54,5 +54,8 @@ class TrainerConfig:
     # recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1/3 more
     # compute)
     activation_checkpointing: bool = False
+    # the trainer's attention kernels (transformers' attn_implementation): sdpa, eager, or flash_attention_2 /
+    # flash_attention_3 / flex_attention where installed; context parallel uses its own (trainer/context_parallel.py)
+    attention: str = "sdpa"
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

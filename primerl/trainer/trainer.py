@@ -90,7 +90,9 @@ class Trainer:
         served model's). `compute`: the trainer's precision, scoring chunk, activation checkpointing and non-finite
         policy (the rest of it is the RL loop's). Seed torch first: a model built here (not loaded) starts the same
         on every rank."""
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(info.device)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(base), dtype=torch.float32, attn_implementation=compute.attention
+        ).to(info.device)
         model.train()
         model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
         if compute.activation_checkpointing:
