@@ -16,7 +16,7 @@ import verifiers.v1 as vf
 from aiohttp import web
 
 from primerl.envs.config import EnvConfig
-from primerl.envs.tool_renderer import MALFORMED_TOOL_CALL, renderer_config
+from primerl.envs.tool_renderer import MALFORMED_TOOL_CALL, renderer_config, renderer_name
 from primerl.envs.verifiers_env import load_env
 from primerl.model.tiny import TOOL_CALL_END, TOOL_CALL_START, build_tokenizer
 from tests.conftest import ROOT, run_module
@@ -82,6 +82,9 @@ def test_hermes_renderer_parses_calls_and_keeps_malformed_ones_visible():
     tok = build_tokenizer(tool_call_tokens=True)
     renderer = create_renderer(tok, renderer_config("/some/local/checkpoint"))
     assert renderer_config("Qwen/Qwen3-0.6B") is None  # renderers' own renderer for a model it knows
+    snapshot = "/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de2"  # how processes get it
+    assert renderer_config(snapshot) is None and renderer_name(snapshot) == "Qwen/Qwen3-0.6B"
+    assert renderer_name("/some/local/checkpoint") == "/some/local/checkpoint"
 
     def parse(text: str):
         parsed = renderer.parse_response(

@@ -8,6 +8,8 @@ the harness would take a broken call for a final answer. `HermesRenderer` keeps 
 why. Well-formed calls and plain replies parse exactly as renderers' own default renderer with `tool_parser="qwen3"`.
 """
 
+from pathlib import Path
+
 from renderers import CustomRendererConfig
 from renderers.base import MODEL_RENDERER_MAP, ParsedResponse, ToolCallParseStatus
 from renderers.configs import DefaultRendererConfig
@@ -28,9 +30,20 @@ class HermesRenderer(DefaultRenderer):
         return parsed
 
 
+def renderer_name(model_path: str) -> str:
+    """The name to render `model_path` by: a hub model's id (also when given as its snapshot in the Hugging Face
+    cache, `.../models--Qwen--Qwen3-0.6B/snapshots/<rev>`, which is how every process gets a hub model), else the
+    path itself."""
+    for part in Path(model_path).parts:
+        if part.startswith("models--") and (name := part.removeprefix("models--").replace("--", "/", 1)):
+            if name in MODEL_RENDERER_MAP:
+                return name
+    return model_path
+
+
 def renderer_config(model_path: str) -> CustomRendererConfig | None:
     """The renderer for `model_path`: renderers' own for a model it knows by name (e.g. `Qwen/Qwen3-0.6B`), else
     `HermesRenderer` over the model's chat template."""
-    if model_path in MODEL_RENDERER_MAP:
+    if renderer_name(model_path) in MODEL_RENDERER_MAP:
         return None
     return CustomRendererConfig(import_path=f"{__name__}.HermesRenderer", tool_parser="qwen3")

@@ -14,7 +14,7 @@ from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 from primerl.envs.config import EnvConfig
 from primerl.envs.http_transport import use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_memo import memoize_default_factory_check
-from primerl.envs.tool_renderer import renderer_config
+from primerl.envs.tool_renderer import renderer_config, renderer_name
 from primerl.envs.trace_text import final_reply, prompt_text, transcript
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.utils.errors import ConfigError
@@ -128,7 +128,7 @@ def model_context(
         client=vf.TrainClientConfig(
             base_url=f"{base_url or f'http://{inf.host}:{inf.port}'}/v1",
             api_key_var=API_KEY_VAR,
-            renderer_model_name=model_path,
+            renderer_model_name=renderer_name(model_path),
             renderer=renderer_config(model_path),  # tool calls parsed for the tiny model too
         ),
         model=SERVED_MODEL_NAME,
