@@ -12,8 +12,9 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
 - kill -9 of the vLLM server (restarted by the inference wrapper), `nan_step` (the trainer's next loss is NaN, via
   primerl.utils.failpoints), `store_down` (the tracking server killed for 20 s), `store_locked` (its sqlite database
   locked exclusively for 20 s), `disk_full` (the tmpfs on the run's rollouts/ filled for 20 s; needs root), and
-  `second_run` (the same command into another run directory, on the same port): the run must go on by itself, two
-  more trained steps after the fault ends, and the second run must be refused at once with one line.
+  `second_run` (the same command into another run directory, on the same port): the run must go on by itself, four
+  more trained steps after the fault ends (two more than async_level 1 can have had written before it), and the
+  second run must be refused at once with one line.
 Afterwards it checks and prints:
 - every step trained once: trainer metrics rows 0..steps-1 each once, each step's log line at most once, restarts
   resuming at their checkpoint (never before the previous start); one skipped update per NaN step;
@@ -220,7 +221,7 @@ class Soak:
         return True
 
     def ride(self, kind: str) -> None:
-        """Inject a fault the run must go on through; then wait for two more trained steps."""
+        """Inject a fault the run must go on through; then wait for four more trained steps."""
         step = self.steps()
         began = time.monotonic()
         fault = {"kind": kind, "at_step": step, "stopped_s": None}
@@ -236,7 +237,8 @@ class Soak:
         else:
             self.outage(kind)
         fault["steps_during"] = self.steps() - step
-        target = min(self.steps() + 2, self.args.steps)
+        # 4 more: with async_level 1 the trainer can have up to 2 batches written before the fault; 2 more are new
+        target = min(self.steps() + 4, self.args.steps)
         wait_for(lambda: self.steps() >= target or not self.alive(), 900)
         fault["driver_exit"] = self.driver.poll()
         fault["went_on"] = self.steps() >= target and self.driver.poll() in (None, 0)
@@ -245,7 +247,7 @@ class Soak:
         extra = f"; second run: {fault['second']}" if "second" in fault else ""
         print(
             f"fault {len(self.faults)}: {kind} at step {step}; {fault['steps_during']} steps trained during it; "
-            f"{'went on' if fault['went_on'] else 'DID NOT GO ON'} ({fault['recovered_s']} s to 2 more steps){extra}",
+            f"{'went on' if fault['went_on'] else 'DID NOT GO ON'} ({fault['recovered_s']} s to 4 more steps){extra}",
             flush=True,
         )
         if self.driver.poll() is not None:
@@ -308,6 +310,8 @@ def check_steps(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bo
     checks.append(
         ("orchestrator resumed", olog.count("resuming at step") >= 1, f"{olog.count('resuming at step')} resumes")
     )
+    back, kills = olog.count(" is back, serving v"), sum(f["kind"] == "vllm" for f in faults)
+    checks.append(("a killed vLLM server came back each time", back >= kills, f"{back} returns, {kills} kills"))
     return checks
 
 

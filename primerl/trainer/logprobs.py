@@ -48,7 +48,8 @@ def full_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
 
 class _ChunkedScores(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (log-prob of each target [N], entropy [N]), `chunk` rows of
-    logits at a time; the backward recomputes each chunk's logits from the saved log-sum-exp."""
+    logits at a time; the backward recomputes each chunk's logits from the saved log-sum-exp. In-place steps keep
+    one chunk-sized buffer (plus the matmul's) alive at a time."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
@@ -57,11 +58,13 @@ class _ChunkedScores(torch.autograd.Function):
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = (hidden[start:end] @ weight.t()).float() / temperature
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
-            all_logp = logits - lse[start:end, None]
+            all_logp = _logits(hidden[start:end], weight, temperature)
+            lse[start:end] = torch.logsumexp(all_logp, dim=-1)
+            all_logp.sub_(lse[start:end, None])
             logp[start:end] = all_logp.gather(-1, targets[start:end, None]).squeeze(-1)
-            entropy[start:end] = -(all_logp.exp() * all_logp).sum(-1)
+            # -sum_v p_v log p_v as a batched dot product: no chunk-sized product tensor
+            probs = all_logp.exp()
+            entropy[start:end] = -(probs.unsqueeze(1) @ all_logp.unsqueeze(2)).view(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -74,15 +77,25 @@ class _ChunkedScores(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.t()).float() / ctx.temperature
             g = grad_logp[start:end]
-            # d logp / d logits = onehot(target) - softmax; through the temperature: / T
-            grad_logits = torch.exp(logits - lse[start:end, None]) * -g[:, None]
-            grad_logits.scatter_add_(-1, targets[start:end, None], g[:, None])
-            grad_logits = (grad_logits / ctx.temperature).to(hidden.dtype)
+            # d logp / d logits = onehot(target) - softmax, through the temperature: / T
+            grad_logits = _logits(hidden[start:end], weight, ctx.temperature).sub_(lse[start:end, None]).exp_()
+            grad_logits.mul_(-g[:, None]).scatter_add_(-1, targets[start:end, None], g[:, None])
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
-            grad_weight += (grad_logits.t() @ hidden[start:end]).float()
+            if hidden.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), hidden[start:end])
+            else:
+                grad_weight.add_(grad_logits.t() @ hidden[start:end])
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A chunk's logits in fp32 (from the matmul in the compute dtype), divided by the temperature: a fresh tensor."""
+    logits = (hidden @ weight.t()).float()
+    return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 def chunked_scores(
