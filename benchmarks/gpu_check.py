@@ -58,9 +58,36 @@ def peak_tflops(device: torch.device, given: float | None) -> float | None:
     return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
+def generated_row(seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One packed row of random tokens, its last 3/4 sampled, with advantages of both signs."""
+    vocab = QWEN3_0_6B["vocab_size"]
+    ids = torch.randint(0, vocab, (1, seq))
+    positions = torch.arange(seq).unsqueeze(0)
+    return ids, {
+        "input_ids": ids,
+        "position_ids": positions,
+        "loss_mask": positions >= seq // 4,
+        "inference_logprobs": torch.full((1, seq), -math.log(vocab)),
+        "advantages": torch.randn(1, seq).sign(),
+    }
+
+
+def scores_gap(trainer, row: torch.Tensor) -> float:
+    """Largest |chunked - full-vocabulary| log-prob over `row`'s positions, from the trainer's current weights."""
+    from primerl.trainer.logprobs import next_tokens
+
+    with torch.no_grad():
+        model, head = trainer.model, trainer.model.lm_head
+        head.targets, chunk = next_tokens(row), head.chunk
+        chunked = model(input_ids=row, use_cache=False).logits[0, :-1, 0].float()
+        head.chunk = None
+        full = model(input_ids=row, use_cache=False).logits[0, :-1, 0].float()
+        head.targets, head.chunk = None, chunk
+    return (chunked - full).abs().max().item()
+
+
 def run_item(model_dir: Path, params: int, seq: int, checkpointing: bool, args, info) -> dict:
     from primerl.trainer.config import LossConfig, OptimConfig, TrainerConfig
-    from primerl.trainer.logprobs import next_tokens
     from primerl.trainer.loss import policy_loss
     from primerl.trainer.trainer import Trainer
 
@@ -70,20 +97,10 @@ def run_item(model_dir: Path, params: int, seq: int, checkpointing: bool, args, 
         precision=args.precision, logprob_chunk_size=args.chunk, activation_checkpointing=checkpointing
     )
     trainer = Trainer.build(model_dir, info, OptimConfig(lr=1e-6), compute)
-    vocab = QWEN3_0_6B["vocab_size"]
-    ids = torch.randint(0, vocab, (1, seq))
-    micro = {
-        "input_ids": ids,
-        "position_ids": torch.arange(seq).unsqueeze(0),
-        "loss_mask": torch.arange(seq).unsqueeze(0) >= seq // 4,
-        "inference_logprobs": torch.full((1, seq), -math.log(vocab)),
-        "advantages": torch.randn(1, seq).sign(),
-    }
+    ids, micro = generated_row(seq)
     tokens = int(micro["loss_mask"].sum())
-    seen = {}
 
     def loss_fn(scores, m):
-        seen["logprobs"] = scores.logprobs[0, :256].detach().float()
         parts = policy_loss(scores, m, tokens, LossConfig())
         return parts.loss, parts.sums()
 
@@ -100,17 +117,10 @@ def run_item(model_dir: Path, params: int, seq: int, checkpointing: bool, args, 
         seconds.append(time.perf_counter() - started)
         losses.append(result.sums["loss"])
         norms.append(result.grad_norm)
-    # the chunked scores of the first 256 positions against the full-vocabulary path, from the same weights
-    with torch.no_grad():
-        model, head, row = trainer.model, trainer.model.lm_head, ids[:, :257].to(device)
-        head.targets, chunk = next_tokens(row), head.chunk
-        chunked = model(input_ids=row, use_cache=False).logits[0, :256, 0].float()
-        head.chunk = None
-        full = model(input_ids=row, use_cache=False).logits[0, :256, 0].float()
-        head.targets, head.chunk = None, chunk
-    gap = (chunked - full).abs().max().item()
+    gap = scores_gap(trainer, ids[:, :257].to(device))
     rate = seq / statistics.median(seconds[1:] or seconds)
-    layers, width = model.config.num_hidden_layers, model.config.hidden_size
+    config = trainer.model.config
+    layers, width = config.num_hidden_layers, config.hidden_size
     flops_per_token = (6 * params + 12 * layers * width * seq) * (4 / 3 if checkpointing else 1)
     peak = peak_tflops(device, args.peak_tflops)
     finite = all(math.isfinite(x) for x in losses + norms)
