@@ -106,31 +106,32 @@ def append_lines(path: str | Path, lines: list[str]) -> None:
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-DISK_FULL_WAIT_S = 1800.0  # then the write's error stops the process: a disk full for half an hour needs a person
+DISK_FULL_WAIT_S = 1800.0  # then a WaitTimeout (a RunError) stops the process: half an hour full needs a person
 
 
 def when_disk_has_space(write: Callable[[], None], what: str) -> None:
     """Call `write`; while it fails for a full disk (or quota), log it and call it again, with back-off up to 10 s,
     for at most DISK_FULL_WAIT_S. `write` must be safe to repeat (an atomic write, or an append of whole lines)."""
-    failed: list[OSError] = []
+    failures = 0
 
     def attempt() -> bool:
+        nonlocal failures
         try:
             write()
         except OSError as e:
             if e.errno not in DISK_FULL:
                 raise
-            if not failed:
+            if not failures:
                 log.warning(f"{what}: {e.strerror} ({e.filename or 'no file name'}); retrying until there is space")
-            failed.append(e)
+            failures += 1
             return False
         return True
 
     wait_until(
         attempt, f"space on the disk to write {what}", DISK_FULL_WAIT_S, poll_s=0.5, max_poll_s=10, note_every_s=60
     )
-    if failed:
-        log.info(f"{what}: written after {len(failed)} attempt(s) on a full disk")
+    if failures:
+        log.info(f"{what}: written after {failures} attempt(s) on a full disk")
 
 
 def is_stable(path: str | Path) -> bool:
