@@ -32,7 +32,8 @@ SETTINGS = [  # (name, chunk, activation checkpointing, precision)
 ]
 
 
-def build_model(directory: Path, layers: int, hidden: int) -> None:
+def build_model(directory: Path, layers: int, hidden: int, dtype: str = "float32") -> None:
+    import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -46,7 +47,7 @@ def build_model(directory: Path, layers: int, hidden: int) -> None:
         max_position_embeddings=8192,
         tie_word_embeddings=True,
     )
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).save_pretrained(directory)
 
 
 def _peak_kib() -> int:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
 
 from primerl.trainer.checkpoint import load_checkpoint
 from primerl.trainer.config import OptimConfig, TrainerConfig
@@ -32,6 +31,7 @@ from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import DistInfo, all_reduce_sums, data_mesh, mixed_precision, shard_model
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
+from primerl.trainer.model_load import empty_model, load_weights, materialize
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
 from primerl.utils.failpoints import failpoint
@@ -83,16 +83,14 @@ class Trainer:
         ep: int = 1,
         export_dtype: str = "float32",
     ) -> "Trainer":
-        """Load the HF model at `base` in fp32, put a `ScoresHead` in place of its lm_head, checkpoint each decoder
-        layer's activations when asked, enable CP over groups of `cp` ranks, shard it with FSDP2 over every rank (a
-        CP group's ranks share each row, so they share micro-batches; bf16: compute in bf16, reduce in fp32), EP
-        over the same mesh when `ep` > 1; then AdamW. `export_dtype`: the dtype of the weights `export` writes (the
-        served model's). `compute`: the trainer's precision, scoring chunk, activation checkpointing and non-finite
-        policy (the rest of it is the RL loop's). Seed torch first: a model built here (not loaded) starts the same
-        on every rank."""
-        model = AutoModelForCausalLM.from_pretrained(
-            str(base), dtype=torch.float32, attn_implementation=compute.attention
-        ).to(info.device)
+        """Build the HF model at `base` in fp32 with empty parameters (primerl.trainer.model_load), put a
+        `ScoresHead` in place of its lm_head, checkpoint each decoder layer's activations when asked, enable CP over
+        groups of `cp` ranks, shard it with FSDP2 over every rank (a CP group's ranks share each row, so they share
+        micro-batches; bf16: compute in bf16, reduce in fp32), EP over the same mesh when `ep` > 1; allocate only
+        this rank's shards and fill them from `base`; then AdamW. `export_dtype`: the dtype of the weights `export`
+        writes (the served model's). `compute`: the trainer's precision, scoring chunk, activation checkpointing and
+        non-finite policy (the rest of it is the RL loop's)."""
+        model = empty_model(base, compute.attention)
         model.train()
         model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
         if compute.activation_checkpointing:
@@ -102,6 +100,10 @@ class Trainer:
             context.enable(model)
         mesh = data_mesh(info, info.world_size)
         expert_params = shard_model(model, mesh, ep, mixed_precision(compute.precision, info.device))
+        materialize(model, info.device)
+        how = load_weights(model, base, info)
+        if info.is_main:
+            log.info(f"loaded {base} on {info.world_size} rank(s): {how}")
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
         )

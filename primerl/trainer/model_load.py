@@ -1,0 +1,154 @@
+"""The trainer's model, built without any rank holding it whole: parameters are created on the meta device (no
+memory), wrapped and sharded (FSDP2, EP) while still empty, materialised as this rank's shards only, and then filled
+from the model directory.
+
+Invariants:
+- a rank's parameter memory is about the model's fp32 size / ranks: nothing allocates a full parameter, except
+  the fallback below on rank 0;
+- the loaded weights equal `from_pretrained`'s, cast to fp32, on any number of ranks (tests/test_model_load.py);
+- buffers the checkpoint does not hold (rotary frequencies) keep the values the model's constructor computed: they
+  are built for real (they are small), kept across `to_empty`, and put back;
+- tied weights stay tied (the lm_head and the embedding are one Parameter before and after).
+
+Two ways to fill the shards, chosen by the checkpoint's tensor names (read from the safetensors headers alone):
+- **sharded read** when every weight is stored under the model's own name (dense HF models, primerl's own
+  published weights), or, for the MoE experts transformers fuses ([E, 2I, H] gate_up_proj), one tensor per expert
+  and projection (the Qwen3-MoE layout): each rank reads from the safetensors files only the slice of each tensor
+  that it holds (the experts of its own rows, for fused experts), one tensor at a time;
+- **rank 0 reads and scatters** otherwise (renamed keys, other fused layouts): rank 0 loads the
+  model with `from_pretrained`, which knows every conversion, and `set_model_state_dict` broadcasts it, each rank
+  keeping its shards; rank 0 then holds the whole model once, for the length of the load.
+"""
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from primerl.trainer.dist import DistInfo
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and their buffers for real: a constructor's
+    `torch.empty` for a parameter reserves no pages, and the parameter is moved to meta as it is registered."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_model(base: str | Path, attention: str) -> PreTrainedModel:
+    """The model at `base`, in fp32, with its parameters on the meta device (buffers real, on the CPU)."""
+    config = AutoConfig.from_pretrained(str(base))
+    with parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate this rank's (sharded) parameters on `device`, uninitialised, and put the constructor's buffers back."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+
+
+class StoredTensors:
+    """The tensors of a model directory's safetensors files, by name, read one at a time (headers read up front)."""
+
+    def __init__(self, base: str | Path):
+        index = Path(base) / "model.safetensors.index.json"
+        if index.exists():
+            files = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: Path(base) / file for name, file in files.items()}
+        else:
+            self.file_of = {}
+            for file in sorted(Path(base).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    self.file_of |= dict.fromkeys(f.keys(), file)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def read(self, name: str, part: tuple[slice, ...]) -> torch.Tensor:
+        """The `part` of tensor `name`: only those bytes are read."""
+        with safe_open(str(self.file_of[name]), framework="pt") as f:
+            return f.get_slice(name)[part]
+
+    def read_experts(self, names: list[list[str]], part: tuple[slice, ...]) -> torch.Tensor:
+        """Experts stored one tensor per expert and projection, stacked as transformers fuses them ([E, 2I, H]
+        gate_up_proj: gate and up concatenated); `part`: the slices of the fused tensor's other dims."""
+        return torch.stack([torch.cat([self.read(name, (slice(None),)) for name in expert])[part] for expert in names])
+
+
+def fused_experts(name: str, experts: slice) -> list[list[str]] | None:
+    """The per-expert tensor names (one list per expert) that transformers fuses into `name` (the layout
+    primerl.trainer.weights.per_expert_tensors writes), or None when `name` is not a fused expert tensor."""
+    for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        if name.endswith(f"mlp.experts.{fused}"):
+            prefix = name.removesuffix(fused)
+            return [[f"{prefix}{e}.{part}.weight" for part in parts] for e in range(experts.start, experts.stop)]
+    return None
+
+
+def local_part(value: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(this rank's local tensor, the slices of the full tensor that it holds)."""
+    if not isinstance(value, DTensor):
+        return value, tuple(slice(0, n) for n in value.shape)
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return value.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def plan_reads(state: dict[str, torch.Tensor], stored: StoredTensors) -> list | None:
+    """(local tensor, read of its part) for each entry of this rank's `state`, or None when some weight is stored
+    neither under its own name nor as per-expert tensors. A weight tied to one read earlier (an lm_head tied to the
+    embedding) may be absent: filling one fills both."""
+    reads, seen = [], set()
+    for name, value in state.items():
+        local, part = local_part(value)
+        alias = local.numel() > 0 and local.data_ptr() in seen
+        seen.add(local.data_ptr())
+        experts = fused_experts(name, part[0]) if part else None
+        if name in stored:
+            reads.append((local, partial(stored.read, name, part)))
+        elif experts is not None and all(n in stored for expert in experts for n in expert):
+            reads.append((local, partial(stored.read_experts, experts, part[1:])))
+        elif not alias:
+            return None
+    return reads
+
+
+def load_weights(model: nn.Module, base: str | Path, info: DistInfo) -> str:
+    """Collective: fill the materialised, sharded `model` with the weights at `base` (module docstring). Returns how:
+    "sharded read" or "rank 0 read and scattered"."""
+    state = get_model_state_dict(model)
+    reads = plan_reads(state, StoredTensors(base))
+    if reads is not None:
+        with torch.no_grad():
+            for local, read in reads:
+                if local.numel():
+                    local.copy_(read())
+        return "sharded read"
+    full = {}
+    if info.is_main:
+        full = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return "rank 0 read and scattered"
