@@ -24,6 +24,7 @@ class OrchestratorMetric:
     OFF_POLICY_MEAN = "off_policy/mean"  # lag of the batch's samples: step - oldest policy version, in versions
     OFF_POLICY_MAX = "off_policy/max"
     OFF_POLICY_DROPPED = "off_policy/dropped"  # samples dropped at the cut as too stale
+    ROLLOUTS_FILTERED = "rollouts/filtered"  # in groups orchestrator.filter rejected since the previous cut
     VERSION_SPAN_MAX = "off_policy/span_max"  # most policy versions one sample's rollout spanned (last - first)
     POLICY_VERSION = "policy_version"  # served when the batch was cut
     INFLIGHT = "inflight/rollouts"  # in flight when the batch was cut
@@ -54,6 +55,7 @@ class TrainerMetric:
     MASKED_FRACTION = "masked_fraction"  # sampled tokens outside the trust region (no loss)
     ENTROPY = "entropy"  # of the trainer's policy, mean over sampled positions
     GRAD_NORM = "grad_norm"  # global, before clipping
+    LR = "lr"  # the learning rate of the step (trainer.lr_schedule)
     UPDATE_SKIPPED = "update_skipped"  # 1: the loss or gradient norm was not finite and the weights stayed as they were
     MIN_POLICY_VERSION = "batch/min_policy_version"  # oldest policy that generated any of the batch's tokens
     STEP_S = "time/step_s"  # read the batch + forward + backward + optimizer

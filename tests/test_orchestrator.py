@@ -3,6 +3,7 @@ accounting, the two staleness bounds under policy updates in flight, cancellatio
 async_level=0 exactly on-policy, lock-step mode. Batches go through the real writer into a real run directory."""
 
 import asyncio
+import collections
 import random
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import pytest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.metrics import ORCHESTRATOR, read_metrics
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.config import FilterConfig, OrchestratorConfig
 from primerl.orchestrator.dispatcher import Dispatcher
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.sink import Sink
@@ -33,12 +34,14 @@ class FakeTask:
 
 @dataclass
 class FakeRunner:
-    """Each rollout sleeps `duration(task)` seconds, then returns reward task.index % 5 / 4 (or fails, per `fails`).
+    """Each rollout sleeps `duration(task)` seconds, then returns reward `reward(task, n)` for the runner's n-th
+    finished rollout (default task.index % 5 / 4: equal within a group) or fails, per `fails`.
     Records every rollout's start, end and cancellation, and the policy version it started and ended under."""
 
     policy: Policy
     duration: object = lambda task: 0.001
     fails: object = lambda task: None  # a failure reason, or None
+    reward: object = lambda task, n: (task.index % 5) / 4
     started: int = 0
     finished: int = 0
     cancelled: int = 0
@@ -66,7 +69,7 @@ class FakeRunner:
             return [RolloutFailure(reason)]
         ids = [1, 2, 3, 4 + task.index % 7]
         branch = ScoredBranch(ids, [False, False, True, True], [0.0, 0.0, -0.5, -0.7])
-        reward = (task.index % 5) / 4
+        reward = self.reward(task, self.finished)
         return [Rollout(reward, {"score": reward}, [branch], "answer", "user: question", {"turns": 1.0})]
 
 
@@ -371,3 +374,33 @@ def test_a_mixture_draws_by_weight_resumes_the_same_stream_and_logs_per_env(tmp_
             if mine:
                 assert row[f"env/{env}/reward_mean"] == pytest.approx(sum(s.reward for s in mine) / len(mine))
     assert sum(r["env/a/samples"] for r in rows) > 0 and sum(r["env/b/samples"] for r in rows) > 0
+
+
+def test_the_filter_drops_groups_without_signal_and_batches_stay_full(tmp_path):
+    """orchestrator.filter.zero_variance with a fake env where only every third task's group has spread rewards:
+    no trained sample comes from a group of equal rewards, every batch is full (rejected groups are replaced at
+    once by continuous dispatch), the rejected rollouts are counted, and no task is trained twice."""
+    steps = 6
+
+    def reward(task, n):
+        return float(n % 2) if task.index % 3 == 0 else 1.0
+
+    orch, runner, writer = run_pipeline(
+        tmp_path, steps, {"reward": reward}, filter=FilterConfig(zero_variance=True), advantage="grpo"
+    )
+    rows = read_metrics(tmp_path, ORCHESTRATOR)
+    for step in range(steps):
+        assert len(writer.samples[step]) == 8
+        by_task = collections.defaultdict(list)
+        for sample in writer.samples[step]:
+            by_task[sample.task_key].append(sample)
+        for task, samples in by_task.items():
+            assert int(task.split("-")[1]) % 3 == 0, task
+            assert sum(s.advantage for s in samples) == pytest.approx(0.0, abs=1e-6)
+            assert max(abs(s.advantage) for s in samples) == pytest.approx(1.0, rel=1e-4)  # grpo: unit spread
+    filtered = sum(r["rollouts/filtered"] for r in rows)
+    assert filtered > 0 and filtered % 4 == 0  # whole groups of group_size 4
+    keys = [s.task_key for step in range(steps) for s in writer.samples[step]]
+    assert all(count <= 4 for count in collections.Counter(keys).values())  # no task trained twice
+    positions = [read_rollout_batch(rollout_path(tmp_path, s)).data_position for s in range(steps)]
+    assert positions == sorted(positions)

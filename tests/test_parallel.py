@@ -19,22 +19,32 @@ pytestmark = pytest.mark.slow
 MEMORY_SAVERS = ("trainer.activation_checkpointing=true", "trainer.logprob_chunk_size=7")
 
 
+# a sequence-level loss and reduction: each rank must see every sequence's whole length and the global count
+ALGORITHM = ("trainer.loss.type=gspo", "trainer.loss.reduction=sequence", "trainer.loss.clip_ratio_high=1.0004")
+
+
 @pytest.mark.parametrize(
-    "model,parallelism,savers",
-    [("tiny", "fsdp2", ()), ("tiny_moe", "fsdp2_ep", ()), ("tiny", "fsdp2_cp", MEMORY_SAVERS)],
+    "model,parallelism,savers,algorithm",
+    [
+        ("tiny", "fsdp2", (), ALGORITHM),
+        ("tiny_moe", "fsdp2_ep", (), ()),
+        ("tiny", "fsdp2_cp", MEMORY_SAVERS, ("trainer.loss.reduction=sequence",)),
+    ],
 )
-def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism, savers):
+def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism, savers, algorithm):
     """fsdp2: parameters sharded over 2 ranks, micro-batches split; fsdp2_ep: the MoE experts split 2+2 over the
     ranks, tokens sent to them by all-to-all; fsdp2_cp: every packed row split in two halves, attention over the
     all-gathered keys and values, and on top each decoder layer's activations recomputed in the backward and the
     tokens scored 7 at a time. The 1-rank run is the plain model in every case (its micro-batches of 128 tokens
-    scored in one chunk: the full-vocabulary path)."""
+    scored in one chunk: the full-vocabulary path). With fsdp2 the loss is GSPO's, reduced per sequence; with
+    fsdp2_cp the default loss reduced per sequence, whose sequences straddle the CP split."""
     args = [
         "+experiment=reverse_text",
         "sft.enabled=false",
         "trainer.max_steps=1",
         f"cache_dir={cache_dir}",
         f"model={model}",
+        *algorithm,
     ]
     cfg = check([*args, f"output_dir={tmp_path}"])
     samples = model_samples(prepare_base_model(cfg))

@@ -61,7 +61,7 @@ def test_loss_matches_hand_computation():
     adv = torch.full((1, T), 0.7)
     micro = {"input_ids": input_ids, "loss_mask": mask, "inference_logprobs": inf_lp, "advantages": adv}
     cfg = LossConfig(mask_ratio_low=0.125, mask_ratio_high=8.0)
-    parts = policy_loss(full_scores(logits, next_tokens(input_ids)), micro, total_tokens=3, cfg=cfg)
+    parts = policy_loss(full_scores(logits, next_tokens(input_ids)), micro, 3, cfg)
 
     expected, kl, masked = 0.0, 0.0, 0
     logp_all = torch.log_softmax(logits.detach(), -1)
@@ -182,7 +182,10 @@ def test_a_full_disk_stalls_the_orchestrators_writes_and_loses_nothing(tmp_path,
     samples.parent.mkdir(parents=True)
     samples.symlink_to("/dev/full")
     writer = BatchWriter(tmp_path, seq_len=20, micro_batch_size=2, pad_id=0, temperature=1.0, async_level=1)
-    space = threading.Timer(1.5, lambda: (samples.unlink(), samples.write_text('{"step": 0, "task": "to')))
+    torn = tmp_path / "torn"
+    torn.write_text('{"step": 0, "task": "to')
+    # space comes back in one atomic step: an unlink then a write would let a retry in between
+    space = threading.Timer(1.5, lambda: torn.replace(samples))
     space.start()
     with caplog.at_level("INFO", logger="primerl"):
         writer.write(0, [_sample(5, 3, 0.5)], {"reward/mean": 0.5}, data_position=4, examples=[{"step": 0, "i": 1}])

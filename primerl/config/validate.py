@@ -5,6 +5,7 @@ import ipaddress
 import math
 from pathlib import Path
 
+from primerl.config.algorithm import check_algorithm
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
 from primerl.inference.config import OWNED_VLLM_FLAGS
@@ -36,7 +37,7 @@ def validate(cfg: RunConfig) -> None:
     """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
     first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
     check_bounds(cfg)
-    for check in (_orchestrator, _inference, _model, _data, _parallelism, _launcher, _ledger):
+    for check in (_orchestrator, _inference, _model, _data, _parallelism, check_algorithm, _launcher, _ledger):
         check(cfg)
 
 

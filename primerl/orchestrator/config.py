@@ -5,11 +5,34 @@ from typing import Any
 
 from primerl.utils.bounds import bounded
 
+ADVANTAGES = ("mean", "grpo", "rloo")  # primerl/orchestrator/advantages.py
+
+
+@dataclass
+class FilterConfig:
+    """Groups not trained (orchestrator.filter): with `zero_variance`, those whose rewards are all equal (no signal
+    under any estimator); and those whose pass rate (mean reward) lies outside [min_pass_rate, max_pass_rate].
+    A rejected group's rollouts are counted (rollouts/filtered), and continuous dispatch replaces them at once."""
+
+    zero_variance: bool = False
+    min_pass_rate: float | None = None  # None: no lower bound
+    max_pass_rate: float | None = None  # None: no upper bound
+
+    def keeps(self, rewards: list[float]) -> bool:
+        if self.zero_variance and max(rewards) - min(rewards) == 0.0:
+            return False
+        pass_rate = sum(rewards) / len(rewards)
+        if self.min_pass_rate is not None and pass_rate < self.min_pass_rate:
+            return False
+        return self.max_pass_rate is None or pass_rate <= self.max_pass_rate
+
 
 @dataclass
 class OrchestratorConfig:
     batch_size: int = bounded(64, ge=1)  # samples per trainer step
     group_size: int = bounded(8, ge=1)  # rollouts per task, for group-relative advantages
+    advantage: str = "mean"  # mean | grpo | rloo (primerl/orchestrator/advantages.py)
+    filter: FilterConfig = field(default_factory=FilterConfig)  # groups not trained
     # How many batches the orchestrator may run ahead of the policy the inference server serves: batch n is cut only
     # once policy n - async_level is loaded. 0 = synchronous: every trained sample comes wholly from the policy it trains.
     async_level: int = bounded(1, ge=0)

@@ -10,13 +10,15 @@ Invariants:
   `batch_size` of them, oldest policy version first and in arrival order within a version (a sample that the next
   batch could no longer take goes first); the leftovers stay for the next batch;
 - `cut_all(step)` (lock-step mode) emits whatever is buffered, after the same drop;
-- every sample added is either emitted once or counted as dropped once.
+- every sample added is either emitted once or counted as dropped once; a group the filter rejects
+  (`orchestrator.filter`) is never buffered, and its rollouts are counted with the next cut.
 """
 
 from dataclasses import dataclass, field
 
 from primerl.envs.types import Rollout
 from primerl.orchestrator.advantages import group_advantages
+from primerl.orchestrator.config import FilterConfig
 from primerl.orchestrator.types import FinishedGroup
 from primerl.transport.batches import Sample
 
@@ -28,6 +30,7 @@ class Cut:
     dropped: int  # samples dropped as too stale since the previous cut
     rollouts: list[Rollout] = field(default_factory=list)  # whose first branch is in this batch (per-rollout stats)
     examples: list[dict] = field(default_factory=list)  # a few of them, for people
+    filtered: int = 0  # rollouts of groups the filter rejected since the previous cut
 
 
 @dataclass
@@ -38,18 +41,31 @@ class _Buffered:
 
 
 class Sink:
-    def __init__(self, batch_size: int, max_off_policy_steps: int, examples_per_batch: int = 4):
+    def __init__(
+        self,
+        batch_size: int,
+        max_off_policy_steps: int,
+        examples_per_batch: int = 4,
+        advantage: str = "mean",
+        keep: FilterConfig | None = None,
+    ):
         self.batch_size, self.max_off_policy_steps = batch_size, max_off_policy_steps
-        self.examples_per_batch = examples_per_batch
+        self.examples_per_batch, self.advantage, self.filter = examples_per_batch, advantage, keep or FilterConfig()
         self.buffer: list[_Buffered] = []
         self.pending_dropped = 0  # dropped since the last emitted batch: reported with the next one
+        self.pending_filtered = 0  # rollouts of groups the filter rejected since the last emitted batch
 
     @property
     def buffered(self) -> int:
         return len(self.buffer)
 
     def add(self, group: FinishedGroup) -> None:
-        advantages = group_advantages([f.rollout.reward for f in group.rollouts])
+        """Buffer the group's samples with their advantages, unless the filter rejects the group (counted)."""
+        rewards = [f.rollout.reward for f in group.rollouts]
+        if not self.filter.keeps(rewards):
+            self.pending_filtered += len(rewards)
+            return
+        advantages = group_advantages(rewards, self.advantage)
         for finished, advantage in zip(group.rollouts, advantages, strict=True):
             rollout = finished.rollout
             example = {
@@ -100,8 +116,8 @@ class Sink:
         taken, self.buffer = self.buffer[:n], self.buffer[n:]
         examples = self._examples(step, taken)
         rollouts = [t.rollout for t in taken if t.rollout is not None]
-        cut = Cut(step, [t.sample for t in taken], self.pending_dropped, rollouts, examples)
-        self.pending_dropped = 0
+        cut = Cut(step, [t.sample for t in taken], self.pending_dropped, rollouts, examples, self.pending_filtered)
+        self.pending_dropped = self.pending_filtered = 0
         return cut
 
     def _examples(self, step: int, taken: list["_Buffered"]) -> list[dict]:

@@ -30,6 +30,7 @@ def batch_stats(cut: Cut, env_names: Sequence[str] = ()) -> dict[str, float]:
         M.OFF_POLICY_MEAN: statistics.fmean(lags),
         M.OFF_POLICY_MAX: float(max(lags)),
         M.OFF_POLICY_DROPPED: float(cut.dropped),
+        M.ROLLOUTS_FILTERED: float(cut.filtered),
         M.VERSION_SPAN_MAX: float(max(spans)),
         M.SEQ_LEN_MEAN: statistics.fmean(len(s.token_ids) for s in samples),
     }

@@ -28,7 +28,8 @@ from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_che
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
-from primerl.trainer.loss import policy_loss
+from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
+from primerl.trainer.lr_schedule import scheduled_lr
 from primerl.trainer.trainer import MicroBatch, Trainer
 from primerl.transport.atomic import is_stable
 from primerl.transport.batches import RolloutBatch, read_rollout_batch
@@ -84,16 +85,19 @@ def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
 
 
 def train_on_batch(
-    trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp_rank: int, dp: int, step: int
+    trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp_rank: int, dp: int, constant_tokens: int
 ) -> dict[str, float]:
-    """Collective: one RL step on `batch`. Returns the step's metrics row, less the timings around it."""
+    """Collective: one RL step on `batch`. Returns the step's metrics row, less the timings around it.
+    `constant_tokens`: the constant reduction's L (trainer.loss.constant_tokens, else orchestrator.max_tokens)."""
+    totals = BatchTotals(batch.num_loss_tokens, batch.num_samples, constant_tokens)
 
     def loss_fn(scores: TokenScores, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        parts = policy_loss(scores, micro, batch.num_loss_tokens, cfg.loss)
+        parts = policy_loss(scores, micro, totals, cfg.loss)
         return parts.loss, parts.sums()
 
-    micro_batches = rank_micro_batches(batch.micro_batches, dp_rank, dp)
-    result = trainer.step(step, micro_batches, loss_fn, batch.temperature)
+    micro_batches = [with_sequence_tokens(mb) for mb in rank_micro_batches(batch.micro_batches, dp_rank, dp)]
+    trainer.set_lr(scheduled_lr(cfg.lr_schedule, batch.step, cfg.optim.lr, cfg.max_steps))
+    result = trainer.step(batch.step, micro_batches, loss_fn, batch.temperature)
     tokens = max(result.sums["tokens"], 1.0)
     return {
         TrainerMetric.LOSS: result.sums["loss"],
@@ -106,6 +110,7 @@ def train_on_batch(
         TrainerMetric.OPTIMIZER_S: result.optimizer_s,
         TrainerMetric.MIN_POLICY_VERSION: float(batch.min_policy_version),
         TrainerMetric.UPDATE_SKIPPED: float(not result.applied),
+        TrainerMetric.LR: trainer.optimizer.param_groups[0]["lr"],
     }
 
 
@@ -149,7 +154,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
             if batch.step != step:
                 raise RunError(f"rollout batch {path} is for step {batch.step}, not {step}: move it aside and rerun")
             read_s = time.perf_counter() - started
-            metrics = train_on_batch(trainer, tcfg, batch, info.rank // cp, dp, step)
+            constant_tokens = tcfg.loss.constant_tokens or cfg.orchestrator.max_tokens
+            metrics = train_on_batch(trainer, tcfg, batch, info.rank // cp, dp, constant_tokens)
             step_s = time.perf_counter() - started
             # step_s = read + forward + backward + optimizer (with the clip's all-reduce). Host times: on CUDA the
             # split is approximate (kernels run async; .item() syncs), the sum exact.

@@ -24,13 +24,38 @@ class OptimConfig:
     max_grad_norm: float = bounded(1.0, gt=0)
 
 
+LOSS_TYPES = ("is_pg", "ppo_clip", "gspo", "cispo", "custom")
+REDUCTIONS = ("token", "sequence", "constant")
+CUSTOM_LOSS_PARAMETERS = ("logprobs", "inference_logprobs", "advantages", "mask")
+LR_SCHEDULES = ("constant", "warmup", "cosine")
+
+
 @dataclass
 class LossConfig:
-    """IS-corrected policy gradient: tokens whose trainer/inference ratio leaves [mask_ratio_low, mask_ratio_high]
-    get no loss (formula in primerl/trainer/loss.py)."""
+    """The RL loss (formulas in primerl/trainer/loss.py and loss_terms.py; docs/algorithms.md). Tokens whose
+    trainer/inference ratio leaves [mask_ratio_low, mask_ratio_high] get no loss, whatever the type."""
 
+    type: str = "is_pg"  # is_pg | ppo_clip | gspo | cispo | custom
+    reduction: str = "token"  # token | sequence | constant (Dr.GRPO)
+    # the ratio clip of ppo_clip, gspo and cispo: [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: 0.8, 1.28)
+    clip_ratio_low: float = bounded(0.8, ge=0)
+    clip_ratio_high: float = bounded(1.28, gt=0)
+    # the constant reduction's L (tokens per sequence); None: orchestrator.max_tokens
+    constant_tokens: int | None = bounded(None, ge=1)
+    custom: str | None = None  # type=custom: "package.module:function" (signature in loss_terms.py)
     mask_ratio_low: float = bounded(0.125, ge=0, le=1)
     mask_ratio_high: float = bounded(8.0, ge=1)
+
+
+@dataclass
+class LrScheduleConfig:
+    """The RL learning rate by step (primerl/trainer/lr_schedule.py): constant, linear warm-up over `warmup_steps`
+    then constant, or warm-up then cosine decay to `min_ratio` x the peak at trainer.max_steps. A function of the
+    step alone, so a resumed run continues it exactly."""
+
+    type: str = "constant"
+    warmup_steps: int = bounded(0, ge=0)
+    min_ratio: float = bounded(0.0, ge=0, le=1)
 
 
 @dataclass
@@ -59,3 +84,4 @@ class TrainerConfig:
     attention: str = "sdpa"
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)

@@ -1,25 +1,34 @@
-"""The RL loss: importance-sampling corrected policy gradient, token-level normalised, with a trust-region mask.
+"""The RL loss: per-token terms of the chosen type (primerl.trainer.loss_terms), a trust-region mask, a reduction.
 
-For every sampled token t (loss_mask) of every sample in the global batch:
+For every sampled token t (loss_mask) of every sequence i in the global batch, with r_t = pi_theta(y_t) /
+pi_inf(y_t) the trainer's probability over the inference policy's (which sampled, possibly some versions ago and
+with different numerics):
 
-    r_t   = exp(log pi_theta(y_t | y_<t) - log pi_inf(y_t | y_<t))        # trainer vs inference policy
     m_t   = 1 if mask_ratio_low <= r_t <= mask_ratio_high else 0            # tokens outside the region: no loss
-    loss  = -(1 / N) * sum_t m_t * r_t * A_t                                # N = sampled tokens in the batch
+    loss  = sum_t w_t * m_t * term_t                                        # term_t: trainer.loss.type
 
-A_t is the sample's group-relative advantage. The gradient is -(1/N) sum_t m_t r_t A_t grad log pi_theta(y_t),
-the policy gradient re-weighted from the inference policy (which sampled, possibly some versions ago and with
-different numerics) to the trainer's. N counts all sampled tokens of the global batch, masked or not, so every
-token weighs the same whatever its sequence length (token-level normalisation) and 1 rank = N ranks.
-Logged: mismatch KL = mean_t (r_t - 1 - log r_t) (k3 estimator of KL(pi_inf || pi_theta)), the masked fraction,
-and the policy's entropy on sampled positions.
+and the weights w_t are `trainer.loss.reduction`:
+
+    token     w_t = 1 / N                       N = sampled tokens of the global batch (primerl's default)
+    sequence  w_t = 1 / (S * |y_i|)             S = sequences of the global batch, |y_i| = sampled tokens of i
+    constant  w_t = 1 / (S * L)                 Dr.GRPO's constant normaliser, L = trainer.loss.constant_tokens
+                                                (default: orchestrator.max_tokens)
+
+N and S count every sampled token and sequence of the global batch, masked or not, so the gradient of 1 rank
+equals that of N ranks. With the default type (is_pg) and reduction (token) the gradient is
+-(1/N) sum_t m_t r_t A_t grad log pi_theta(y_t): the policy gradient re-weighted from the inference policy to the
+trainer's. Logged for every type: mismatch KL = mean_t (r_t - 1 - log r_t) (k3 estimator of KL(pi_inf ||
+pi_theta)), the masked fraction, and the policy's entropy on sampled positions.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from primerl.trainer.config import LossConfig
+from primerl.trainer.config import REDUCTIONS, LossConfig
 from primerl.trainer.logprobs import TokenScores
+from primerl.trainer.loss_terms import per_sequence, segments, token_terms
+from primerl.utils.errors import ConfigError
 
 
 @dataclass
@@ -40,16 +49,59 @@ class LossParts:
         }
 
 
-def policy_loss(scores: TokenScores, micro: dict[str, torch.Tensor], total_tokens: int, cfg: LossConfig) -> LossParts:
-    """`scores` at the batch's sampling temperature (primerl.trainer.logprobs)."""
+@dataclass(frozen=True)
+class BatchTotals:
+    """The global batch's normalisers (RolloutBatch.num_loss_tokens, num_samples; constant_tokens: L above)."""
+
+    tokens: int
+    sequences: int = 1
+    constant_tokens: int = 1
+
+
+def with_sequence_tokens(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`micro` plus "sequence_tokens": per token, the sampled tokens of its sequence (the sequence reduction's
+    |y_i|). Computed on whole rows, before context parallel splits them."""
+    mask = micro["loss_mask"].clone()
+    mask[:, 0] = False  # the first token of a row is never predicted
+    counts = per_sequence(mask.to(torch.float32), segments(micro["position_ids"]))
+    return {**micro, "sequence_tokens": counts}
+
+
+def reduction_weights(reduction: str, micro: dict[str, torch.Tensor], totals: BatchTotals) -> torch.Tensor:
+    """w_t of the module docstring, [B, T-1] (aligned with the shifted loss mask)."""
+    if reduction == "token":
+        return torch.full_like(micro["inference_logprobs"][:, 1:], 1.0 / max(totals.tokens, 1))
+    if reduction == "sequence":
+        return 1.0 / (micro["sequence_tokens"][:, 1:].clamp(min=1) * max(totals.sequences, 1))
+    if reduction == "constant":
+        return torch.full_like(
+            micro["inference_logprobs"][:, 1:], 1.0 / (max(totals.sequences, 1) * totals.constant_tokens)
+        )
+    raise ConfigError(
+        "trainer.loss.reduction", f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}"
+    )
+
+
+def policy_loss(
+    scores: TokenScores, micro: dict[str, torch.Tensor], totals: BatchTotals | int, cfg: LossConfig
+) -> LossParts:
+    """`scores` at the batch's sampling temperature (primerl.trainer.logprobs); `totals`: the global batch's
+    normalisers (an int: the token count, enough for the token reduction). The sequence reduction needs
+    `with_sequence_tokens(micro)`."""
+    if isinstance(totals, int):
+        totals = BatchTotals(totals)
     mask = micro["loss_mask"][:, 1:]
     logp = scores.logprobs[:, :-1]
-    log_ratio = logp - micro["inference_logprobs"][:, 1:]
-    ratio = torch.exp(log_ratio)
-    in_region = (ratio.detach() >= cfg.mask_ratio_low) & (ratio.detach() <= cfg.mask_ratio_high)
+    inference = micro["inference_logprobs"][:, 1:]
+    log_ratio = logp - inference
+    ratio = torch.exp(log_ratio.detach())
+    in_region = (ratio >= cfg.mask_ratio_low) & (ratio <= cfg.mask_ratio_high)
     keep = mask & in_region
-    advantages = micro["advantages"][:, 1:]
-    loss = -(ratio * advantages * keep).sum() / max(total_tokens, 1)
+    segment = segments(micro["position_ids"])[:, 1:] if cfg.type == "gspo" else None
+    clip = (cfg.clip_ratio_low, cfg.clip_ratio_high)
+    terms = token_terms(cfg.type, logp, inference, micro["advantages"][:, 1:], mask, segment, clip, cfg.custom)
+    weights = reduction_weights(cfg.reduction, micro, totals)
+    loss = (torch.where(keep, terms, 0.0) * weights).sum()
     with torch.no_grad():
         lr64 = log_ratio.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
         kl = (torch.exp(lr64) - 1 - lr64).sum().item()
