@@ -56,6 +56,7 @@ class TrainerMetric:
     ENTROPY = "entropy"  # of the trainer's policy, mean over sampled positions
     GRAD_NORM = "grad_norm"  # global, before clipping
     LR = "lr"  # the learning rate of the step (trainer.lr_schedule)
+    REFERENCE_KL = "reference_kl"  # mean over sampled tokens of k3(trainer, starting policy); with a reference only
     UPDATE_SKIPPED = "update_skipped"  # 1: the loss or gradient norm was not finite and the weights stayed as they were
     MIN_POLICY_VERSION = "batch/min_policy_version"  # oldest policy that generated any of the batch's tokens
     STEP_S = "time/step_s"  # read the batch + forward + backward + optimizer

@@ -31,7 +31,8 @@ def ratio(t: int) -> float:
     return math.exp(LOGP[t - 1] - INFERENCE[t])
 
 
-def loss_and_grad(cfg: LossConfig, totals: BatchTotals) -> tuple[float, list[float]]:
+def loss_and_grad(cfg: LossConfig, totals: BatchTotals, reference: list[float] | None = None):
+    """(loss, d loss / d logprobs, the loss parts) of the case above."""
     logprobs = torch.tensor([LOGP], dtype=torch.float64, requires_grad=True)
     micro = {
         "position_ids": torch.tensor([POSITIONS]),
@@ -39,9 +40,10 @@ def loss_and_grad(cfg: LossConfig, totals: BatchTotals) -> tuple[float, list[flo
         "inference_logprobs": torch.tensor([INFERENCE], dtype=torch.float64),
         "advantages": torch.tensor([ADVANTAGE], dtype=torch.float64),
     }
-    parts = policy_loss(TokenScores(logprobs, torch.zeros(1, 9)), with_sequence_tokens(micro), totals, cfg)
+    scores = TokenScores(logprobs, torch.zeros(1, 9), None if reference is None else torch.tensor([reference]))
+    parts = policy_loss(scores, with_sequence_tokens(micro), totals, cfg)
     parts.loss.backward()
-    return parts.loss.item(), logprobs.grad[0].tolist()
+    return parts.loss.item(), logprobs.grad[0].tolist(), parts
 
 
 def weight(reduction: str, t: int) -> float:
@@ -80,7 +82,7 @@ def expected(kind: str, reduction: str) -> tuple[float, dict[int, float]]:
 @pytest.mark.parametrize("reduction", ["token", "sequence", "constant"])
 def test_loss_types_and_reductions_match_the_formulas(kind, reduction):
     cfg = LossConfig(type=kind, reduction=reduction, clip_ratio_low=CLIP[0], clip_ratio_high=CLIP[1])
-    loss, grad = loss_and_grad(cfg, BatchTotals(tokens=5, sequences=2, constant_tokens=10))
+    loss, grad, _ = loss_and_grad(cfg, BatchTotals(tokens=5, sequences=2, constant_tokens=10))
     want_loss, want_grad = expected(kind, reduction)
     assert loss == pytest.approx(want_loss, rel=1e-6, abs=1e-12)  # the weights are fp32
     assert grad == pytest.approx([want_grad.get(i, 0.0) for i in range(9)], rel=1e-6, abs=1e-12)
@@ -90,9 +92,27 @@ def test_the_case_exercises_both_sides_of_each_clip():
     """Without this the clipped branches above could go untested: ratios fall below, inside and above [0.8, 1.28]."""
     ratios = [ratio(t) for t in TOKENS]
     assert min(ratios) < CLIP[0] and max(ratios) > CLIP[1] and any(CLIP[0] <= r <= CLIP[1] for r in ratios)
-    _, ppo_grad = loss_and_grad(LossConfig(type="ppo_clip"), BatchTotals(5, 2))
-    _, pg_grad = loss_and_grad(LossConfig(), BatchTotals(5, 2))
+    _, ppo_grad, _ = loss_and_grad(LossConfig(type="ppo_clip"), BatchTotals(5, 2))
+    _, pg_grad, _ = loss_and_grad(LossConfig(), BatchTotals(5, 2))
     assert sum(g == 0.0 for g in ppo_grad) > sum(g == 0.0 for g in pg_grad)  # some token lost its gradient to the clip
+
+
+def test_the_reference_kl_is_k3_added_with_its_coefficient_and_logged_at_zero():
+    """q_t = log pi_ref - log pi_theta; the term kl_coef * (exp(q) - q - 1) per token, weighted like the loss; its
+    gradient in log pi_theta is kl_coef * (1 - exp(q)) per token."""
+    reference = [lp + 0.3 * (i % 3 - 1) for i, lp in enumerate(LOGP)]
+    base_loss, base_grad, _ = loss_and_grad(LossConfig(), BatchTotals(5, 2))
+    loss, grad, parts = loss_and_grad(LossConfig(kl_coef=0.5), BatchTotals(5, 2), reference)
+    q = {t: reference[t - 1] - LOGP[t - 1] for t in TOKENS}
+    k3 = {t: math.exp(q[t]) - q[t] - 1 for t in TOKENS}
+    assert parts.reference_kl_sum == pytest.approx(sum(k3.values()))
+    assert loss == pytest.approx(base_loss + 0.5 * sum(k3.values()) / 5, rel=1e-6)
+    want = [base_grad[i] + (0.5 * (1 - math.exp(q[i + 1])) / 5 if i + 1 in TOKENS else 0.0) for i in range(9)]
+    assert grad == pytest.approx(want, rel=1e-6)
+    _, _, logged = loss_and_grad(LossConfig(kl_coef=0.0, log_reference_kl=True), BatchTotals(5, 2), reference)
+    assert (
+        logged.sums()["reference_kl"] == pytest.approx(sum(k3.values())) and parts.sums().keys() == logged.sums().keys()
+    )
 
 
 def custom_reinforce(logprobs, inference_logprobs, advantages, mask):
@@ -102,7 +122,7 @@ def custom_reinforce(logprobs, inference_logprobs, advantages, mask):
 
 def test_a_custom_loss_is_imported_by_path_and_reduced_like_the_others():
     cfg = LossConfig(type="custom", custom="tests.test_algorithms:custom_reinforce")
-    loss, grad = loss_and_grad(cfg, BatchTotals(5, 2))
+    loss, grad, _ = loss_and_grad(cfg, BatchTotals(5, 2))
     assert loss == pytest.approx(sum(-ADVANTAGE[t] * LOGP[t - 1] / 5 for t in TOKENS))
     assert grad == pytest.approx([-ADVANTAGE[i + 1] / 5 if i + 1 in TOKENS else 0.0 for i in range(9)])
 

@@ -20,7 +20,12 @@ MEMORY_SAVERS = ("trainer.activation_checkpointing=true", "trainer.logprob_chunk
 
 
 # a sequence-level loss and reduction: each rank must see every sequence's whole length and the global count
-ALGORITHM = ("trainer.loss.type=gspo", "trainer.loss.reduction=sequence", "trainer.loss.clip_ratio_high=1.0004")
+ALGORITHM = (
+    "trainer.loss.type=gspo",
+    "trainer.loss.reduction=sequence",
+    "trainer.loss.clip_ratio_high=1.0004",
+    "trainer.loss.kl_coef=0.1",  # a frozen, sharded reference copy of the start model
+)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +41,8 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     ranks, tokens sent to them by all-to-all; fsdp2_cp: every packed row split in two halves, attention over the
     all-gathered keys and values, and on top each decoder layer's activations recomputed in the backward and the
     tokens scored 7 at a time. The 1-rank run is the plain model in every case (its micro-batches of 128 tokens
-    scored in one chunk: the full-vocabulary path). With fsdp2 the loss is GSPO's, reduced per sequence; with
+    scored in one chunk: the full-vocabulary path). With fsdp2 the loss is GSPO's, reduced per sequence, with a KL
+    to the reference; with
     fsdp2_cp the default loss reduced per sequence, whose sequences straddle the CP split."""
     args = [
         "+experiment=reverse_text",
@@ -73,6 +79,10 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         (rows[nproc],) = read_metrics(run, "trainer")
         weights[nproc] = load_file(weights_path(run, 1) / "model.safetensors")
     assert rows[1]["mismatch_kl"] < 1e-10  # the batch's logprobs are the model's own
+    if algorithm == ALGORITHM:  # before the first update the policy is its reference
+        assert rows[1]["reference_kl"] < 1e-12 and rows[2]["reference_kl"] < 1e-12
+    else:
+        assert "reference_kl" not in rows[1]
     for key in ("loss", "grad_norm", "entropy"):
         assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-5), key
     assert rows[1]["grad_norm"] > 0

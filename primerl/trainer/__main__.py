@@ -99,7 +99,7 @@ def train_on_batch(
     trainer.set_lr(scheduled_lr(cfg.lr_schedule, batch.step, cfg.optim.lr, cfg.max_steps))
     result = trainer.step(batch.step, micro_batches, loss_fn, batch.temperature)
     tokens = max(result.sums["tokens"], 1.0)
-    return {
+    row = {
         TrainerMetric.LOSS: result.sums["loss"],
         TrainerMetric.MISMATCH_KL: result.sums["mismatch_kl"] / tokens,
         TrainerMetric.MASKED_FRACTION: result.sums["masked"] / tokens,
@@ -112,6 +112,9 @@ def train_on_batch(
         TrainerMetric.UPDATE_SKIPPED: float(not result.applied),
         TrainerMetric.LR: trainer.optimizer.param_groups[0]["lr"],
     }
+    if "reference_kl" in result.sums:  # the trainer has a reference policy
+        row[TrainerMetric.REFERENCE_KL] = result.sums["reference_kl"] / tokens
+    return row
 
 
 def save(
@@ -144,7 +147,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     dp = resolve_dp_shard(cfg, info.world_size)
     base = main_rank_first(info, lambda: prepare_start_model(cfg))
     torch.manual_seed(cfg.seed)
-    trainer = Trainer.build(base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype)
+    reference = tcfg.loss.needs_reference
+    trainer = Trainer.build(base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype, reference)
     start, logged = resume(trainer, run_dir)
     with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
         for step in range(start, tcfg.max_steps):  # the last checkpoint is STABLE before the `with` ends

@@ -43,8 +43,16 @@ class LossConfig:
     # the constant reduction's L (tokens per sequence); None: orchestrator.max_tokens
     constant_tokens: int | None = bounded(None, ge=1)
     custom: str | None = None  # type=custom: "package.module:function" (signature in loss_terms.py)
+    # KL(pi_theta || pi_ref) to the run's starting policy, k3 estimator, added with this weight (0: off); the trainer
+    # then keeps a frozen sharded copy of the start model and scores each micro-batch with it too
+    kl_coef: float = bounded(0.0, ge=0)
+    log_reference_kl: bool = False  # keep the reference and log reference_kl even when kl_coef is 0
     mask_ratio_low: float = bounded(0.125, ge=0, le=1)
     mask_ratio_high: float = bounded(8.0, ge=1)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.log_reference_kl
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch import nn
 class TokenScores:
     logprobs: torch.Tensor  # [B, T] fp32: log pi(token[t+1] | <= t), with gradient
     entropy: torch.Tensor  # [B, T] fp32: entropy of pi(. | <= t), no gradient
+    reference: torch.Tensor | None = None  # [B, T] fp32: log pi_ref(token[t+1] | <= t) when the trainer has one
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "TokenScores":

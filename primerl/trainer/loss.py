@@ -7,7 +7,12 @@ with different numerics):
     m_t   = 1 if mask_ratio_low <= r_t <= mask_ratio_high else 0            # tokens outside the region: no loss
     loss  = sum_t w_t * m_t * term_t                                        # term_t: trainer.loss.type
 
-and the weights w_t are `trainer.loss.reduction`:
+plus, with a reference policy pi_ref (the run's starting policy: `trainer.loss.kl_coef` > 0),
+
+    kl_coef * sum_t w_t * m_t * (exp(q_t) - q_t - 1),   q_t = log pi_ref(y_t) - log pi_theta(y_t)
+
+(the k3 estimator of KL(pi_theta || pi_ref), >= 0, logged as reference_kl per sampled token), and the weights w_t
+are `trainer.loss.reduction`:
 
     token     w_t = 1 / N                       N = sampled tokens of the global batch (primerl's default)
     sequence  w_t = 1 / (S * |y_i|)             S = sequences of the global batch, |y_i| = sampled tokens of i
@@ -38,15 +43,19 @@ class LossParts:
     masked_tokens: int
     entropy_sum: float
     tokens: int
+    reference_kl_sum: float | None = None  # with a reference policy: sum over sampled tokens of k3(pi_theta, pi_ref)
 
     def sums(self) -> dict[str, float]:
         """What the trainer adds up over micro-batches and ranks."""
-        return {
+        sums = {
             "mismatch_kl": self.mismatch_kl_sum,
             "masked": self.masked_tokens,
             "entropy": self.entropy_sum,
             "tokens": self.tokens,
         }
+        if self.reference_kl_sum is not None:
+            sums["reference_kl"] = self.reference_kl_sum
+        return sums
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,14 @@ def policy_loss(
     terms = token_terms(cfg.type, logp, inference, micro["advantages"][:, 1:], mask, segment, clip, cfg.custom)
     weights = reduction_weights(cfg.reduction, micro, totals)
     loss = (torch.where(keep, terms, 0.0) * weights).sum()
+    reference_kl = None
+    if scores.reference is not None:
+        to_reference = scores.reference[:, :-1] - logp
+        kl_terms = torch.exp(to_reference) - to_reference - 1  # k3: >= 0, unbiased for KL(pi_theta || pi_ref)
+        loss = loss + cfg.kl_coef * (torch.where(keep, kl_terms, 0.0) * weights).sum()
+        reference_kl = kl_terms.detach()[mask].double().sum().item()
     with torch.no_grad():
         lr64 = log_ratio.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
         kl = (torch.exp(lr64) - 1 - lr64).sum().item()
         entropy = scores.entropy[:, :-1][mask].sum().item()
-    return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()))
+    return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()), reference_kl)

@@ -34,7 +34,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from primerl.trainer.dist import DistInfo
+from primerl.trainer.config import TrainerConfig
+from primerl.trainer.context_parallel import ContextParallel
+from primerl.trainer.dist import DistInfo, data_mesh, mixed_precision, shard_model
+from primerl.trainer.logprobs import ScoresHead
+from primerl.utils.log import get_logger
+
+log = get_logger("trainer")
 
 
 @contextmanager
@@ -152,3 +158,33 @@ def load_weights(model: nn.Module, base: str | Path, info: DistInfo) -> str:
         full = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return "rank 0 read and scattered"
+
+
+def sharded_model(
+    base: str | Path,
+    info: DistInfo,
+    compute: TrainerConfig,
+    context: ContextParallel | None,
+    ep: int,
+    frozen: bool = False,
+) -> tuple[nn.Module, set[nn.Parameter]]:
+    """The model at `base` as the trainer runs it: a `ScoresHead` in place of its lm_head, each decoder layer's
+    activations checkpointed when asked, CP's attention, EP and FSDP2 over every rank (mixed precision per
+    `compute.precision`), this rank's shards read from `base`. Returns it and its expert parameters (EP). `frozen`:
+    no gradients, eval mode, no checkpointing (a reference policy)."""
+    model = empty_model(base, compute.attention)
+    model.train(not frozen)
+    model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
+    if compute.activation_checkpointing and not frozen:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if context:
+        context.enable(model)
+    mesh = data_mesh(info, info.world_size)
+    expert_params = shard_model(model, mesh, ep, mixed_precision(compute.precision, info.device))
+    materialize(model, info.device)
+    how = load_weights(model, base, info)
+    if frozen:
+        model.requires_grad_(False)
+    if info.is_main:
+        log.info(f"loaded {base}{' (reference)' if frozen else ''} on {info.world_size} rank(s): {how}")
+    return model, expert_params

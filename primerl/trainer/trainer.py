@@ -28,10 +28,10 @@ import torch.distributed as dist
 from primerl.trainer.checkpoint import load_checkpoint
 from primerl.trainer.config import OptimConfig, TrainerConfig
 from primerl.trainer.context_parallel import ContextParallel
-from primerl.trainer.dist import DistInfo, all_reduce_sums, data_mesh, mixed_precision, shard_model
+from primerl.trainer.dist import DistInfo, all_reduce_sums
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
-from primerl.trainer.model_load import empty_model, load_weights, materialize
+from primerl.trainer.model_load import sharded_model
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
 from primerl.utils.failpoints import failpoint
@@ -71,6 +71,7 @@ class Trainer:
         self.context, self.expert_params = context, expert_params or set()
         self.skipped_in_a_row = 0
         self.export_dtype = torch.float32
+        self.reference: torch.nn.Module | None = None
 
     @classmethod
     def build(
@@ -82,6 +83,7 @@ class Trainer:
         cp: int = 1,
         ep: int = 1,
         export_dtype: str = "float32",
+        reference: bool = False,
     ) -> "Trainer":
         """Build the HF model at `base` in fp32 with empty parameters (primerl.trainer.model_load), put a
         `ScoresHead` in place of its lm_head, checkpoint each decoder layer's activations when asked, enable CP over
@@ -89,21 +91,11 @@ class Trainer:
         micro-batches; bf16: compute in bf16, reduce in fp32), EP over the same mesh when `ep` > 1; allocate only
         this rank's shards and fill them from `base`; then AdamW. `export_dtype`: the dtype of the weights `export`
         writes (the served model's). `compute`: the trainer's precision, scoring chunk, activation checkpointing and
-        non-finite policy (the rest of it is the RL loop's)."""
-        model = empty_model(base, compute.attention)
-        model.train()
-        model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
-        if compute.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        non-finite policy (the rest of it is the RL loop's). `reference`: also keep a frozen copy of `base`, sharded
+        the same way (no gradients, no optimizer state), whose log-probs each step's scores carry (the reference KL
+        of primerl.trainer.loss)."""
         context = ContextParallel(info.rank, info.world_size, cp) if cp > 1 else None
-        if context:
-            context.enable(model)
-        mesh = data_mesh(info, info.world_size)
-        expert_params = shard_model(model, mesh, ep, mixed_precision(compute.precision, info.device))
-        materialize(model, info.device)
-        how = load_weights(model, base, info)
-        if info.is_main:
-            log.info(f"loaded {base} on {info.world_size} rank(s): {how}")
+        model, expert_params = sharded_model(base, info, compute, context, ep)
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
         )
@@ -111,6 +103,8 @@ class Trainer:
             model, optimizer, info, base, optim.max_grad_norm, compute.max_nonfinite_steps, context, expert_params
         )
         trainer.export_dtype = getattr(torch, export_dtype)
+        if reference:
+            trainer.reference, _ = sharded_model(base, info, compute, context, ep, frozen=True)
         return trainer
 
     def set_lr(self, lr: float) -> None:
@@ -118,20 +112,29 @@ class Trainer:
             group["lr"] = lr
 
     def _scores(self, micro: MicroBatch, temperature: float) -> tuple[TokenScores, MicroBatch]:
-        """Scores of the micro-batch's rows at `temperature`, and the micro-batch as the loss must see it (CP: this
-        rank's slice)."""
-        head: ScoresHead = self.model.lm_head
+        """Scores of the micro-batch's rows at `temperature` (with the reference's log-probs when there is one), and
+        the micro-batch as the loss must see it (CP: this rank's slice)."""
+        packed, loss_micro = self._forward(self.model, micro, temperature)
+        scores = TokenScores.unpack(packed)
+        if self.reference is not None:
+            with torch.no_grad():
+                scores.reference = TokenScores.unpack(self._forward(self.reference, micro, temperature)[0]).logprobs
+        return scores, loss_micro
+
+    def _forward(
+        self, model: torch.nn.Module, micro: MicroBatch, temperature: float
+    ) -> tuple[torch.Tensor, MicroBatch]:
+        head: ScoresHead = model.lm_head
         head.targets, head.temperature = next_tokens(micro["input_ids"]), temperature
         try:
             if self.context is None:
                 # use_cache=False matters: with a KV cache transformers skips the block-causal mask of packed rows
-                out = self.model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
-                return TokenScores.unpack(out.logits), micro
+                out = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
+                return out.logits, micro
             head.targets = self.context.local(head.targets)
             with self.context.inputs(micro) as (input_ids, position_ids):
-                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-            packed, micro = self.context.loss_inputs(out.logits, micro)
-            return TokenScores.unpack(packed), micro
+                out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            return self.context.loss_inputs(out.logits, micro)
         finally:
             head.targets = None
 
