@@ -11,8 +11,11 @@ import time
 
 import pytest
 
+from primerl.config.cli import check
 from primerl.metrics import read_metrics
 from primerl.trainer.checkpoint import latest_checkpoint
+from primerl.trainer.config import LrScheduleConfig
+from primerl.trainer.lr_schedule import scheduled_lr
 from primerl.transport.atomic import is_stable
 from primerl.transport.batches import read_rollout_batch
 from primerl.transport.run_dir import rollout_path, weights_path
@@ -263,7 +266,15 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     from mlflow.tracking import MlflowClient
 
     run, steps = tmp_path / "resumed", 6
-    same = (f"inference.port={free_port()}",)  # rerunning the same command (same run dir) resumes
+    # rerunning the same command (same run dir) resumes; a learning-rate schedule and the difficulty filter resume too
+    schedule = LrScheduleConfig(type="cosine", warmup_steps=2, min_ratio=0.1)
+    same = (
+        f"inference.port={free_port()}",
+        f"trainer.lr_schedule.type={schedule.type}",
+        f"trainer.lr_schedule.warmup_steps={schedule.warmup_steps}",
+        f"trainer.lr_schedule.min_ratio={schedule.min_ratio}",
+        "orchestrator.filter.zero_variance=true",
+    )
     # after 2 trainer rows the checkpoint of step 1 is STABLE (the save of step 2 waits for it): the kill may only
     # catch step 2's in flight (trainer.checkpoint_async), which the restart replays
     with _run_until_trainer_step(run, 2, *same, steps=steps) as train:
@@ -275,8 +286,12 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
 
     # each step's batch was made once and trained once; the series run 0..steps-1 without gaps or repeats
-    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(steps))
+    rows = read_metrics(run, "trainer")
+    assert [r["step"] for r in rows] == list(range(steps))
     assert [r["step"] for r in read_metrics(run, "orchestrator")] == list(range(steps))
+    lr = check(["+experiment=reverse_text"]).trainer.optim.lr
+    assert [r["lr"] for r in rows] == pytest.approx([scheduled_lr(schedule, s, lr, steps) for s in range(steps)])
+    assert all("rollouts/filtered" in r for r in read_metrics(run, "orchestrator"))
     trainer_log = (run / "logs" / "trainer.log").read_text()
     starts = [
         int(line.split("trainer: starting at step ")[1].split()[0])
