@@ -11,7 +11,8 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.transport.atomic import write_json
-from primerl.transport.run_dir import rollout_path, run_settings_path
+from primerl.transport.formats import RUN_DIR_FORMAT, check_format
+from primerl.transport.run_dir import rollout_path, run_format_path, run_settings_path
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 
@@ -51,11 +52,14 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, str]:
 
 
 def check_resume(cfg: RunConfig, run_dir: Path) -> None:
-    """Record the run's settings at its first start; on a resume, refuse a change not in `cfg.allow_changes`."""
+    """Record the run's settings and directory format at its first start; on a resume, refuse a directory of another
+    format (UnreadableFormat) and a change of settings not in `cfg.allow_changes`."""
     path, now = run_settings_path(run_dir), kept_settings(cfg)
     if not path.exists() or not rollout_path(run_dir, 0).exists():  # nothing produced yet: nothing to keep
         write_json(path, now, indent=1)
+        write_json(run_format_path(run_dir), {"format": RUN_DIR_FORMAT})
         return
+    check_run_format(run_dir)
     before = json.loads(path.read_text())
     changed = sorted(key for key in before.keys() | now.keys() if before.get(key) != now.get(key))
     refused = [key for key in changed if not any(key == a or key.startswith(f"{a}.") for a in cfg.allow_changes)]
@@ -70,3 +74,13 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
     if changed:
         log.warning(f"resuming with changed settings (allow_changes): {', '.join(changed)}")
         write_json(path, now, indent=1)
+
+
+def check_run_format(run_dir: Path) -> None:
+    """Refuse a run directory whose format this release does not read (absent: written before formats were)."""
+    path = run_format_path(run_dir)
+    try:
+        found = json.loads(path.read_text()).get("format") if path.exists() else None
+    except (OSError, ValueError, AttributeError):
+        found = "unreadable"
+    check_format(found, RUN_DIR_FORMAT, "run directory", run_dir)

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from primerl.transport.atomic import atomic_dir, latest_stable, shared_staging_path
+from primerl.transport.formats import CHECKPOINT_FORMAT, check_format
 from primerl.transport.run_dir import checkpoint_path, checkpoints_root
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
@@ -100,7 +101,13 @@ def _write(
         dist.barrier(group=group)
         if is_main:
             files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_digest(p)} for p in sorted(staging.iterdir())}
-            state = {"step": step, "world_size": dist.get_world_size(), "metrics": metrics, "files": files}
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "step": step,
+                "world_size": dist.get_world_size(),
+                "metrics": metrics,
+                "files": files,
+            }
             (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
     if is_main:
         for old in sorted(target.parent.glob("step_*"))[:-keep]:
@@ -183,6 +190,7 @@ def verify_checkpoint(path: Path) -> dict:
         files = state["files"]
     except (OSError, ValueError, KeyError) as err:
         raise CorruptCheckpoint(path, f"unreadable {STATE_FILE}: {err}") from err
+    check_format(state.get("format"), CHECKPOINT_FORMAT, "checkpoint", path)
     for name, expected in files.items():
         file = path / name
         if not file.exists():

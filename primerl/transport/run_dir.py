@@ -11,6 +11,7 @@
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
   run_settings.json              the settings a resume must keep (primerl.launch.resume)
+  format.json                    the directory's format version (primerl.transport.formats)
   ledger.json                    the MLflow run that records this directory
   wandb.json, wandb/              the W&B run that records this directory (ledger.wandb), and W&B's own files
   ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
@@ -82,6 +83,10 @@ def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
 
 def ledger_record_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger.json"
+
+
+def run_format_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "format.json"
 
 
 def run_settings_path(run_dir: str | Path) -> Path:
