@@ -117,6 +117,11 @@ def train_on_batch(
     return row
 
 
+def last_step(cfg: TrainerConfig) -> int:
+    """The step the loop ends before: trainer.max_steps, or trainer.stop_at when it comes first."""
+    return min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
+
+
 def save(
     trainer: Trainer,
     checkpointer: Checkpointer,
@@ -130,7 +135,7 @@ def save(
     the timings."""
     started = time.perf_counter()
     with writing(f"checkpoint and weights of step {step + 1}", "nothing of it is marked STABLE"):
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.max_steps:
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == last_step(cfg):
             checkpointer.save(trainer.model, trainer.optimizer, step + 1, metrics)
         published_at = time.perf_counter()
         publish(trainer, run_dir, step + 1, keep)
@@ -151,7 +156,7 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     trainer = Trainer.build(base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype, reference)
     start, logged = resume(trainer, run_dir)
     with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
-        for step in range(start, tcfg.max_steps):  # the last checkpoint is STABLE before the `with` ends
+        for step in range(start, last_step(tcfg)):  # the last checkpoint is STABLE before the `with` ends
             path, waited = wait_for_batch(run_dir, step)
             started = time.perf_counter()
             batch = read_rollout_batch(path)

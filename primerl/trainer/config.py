@@ -71,6 +71,8 @@ class TrainerConfig:
     seq_len: int = bounded(512, ge=2)
     micro_batch_size: int = bounded(8, ge=1)  # packed rows per forward/backward pass
     max_steps: int = bounded(20, ge=1)
+    # stop (checkpointed) before this step; the learning-rate schedule still spans max_steps (primerl.replay)
+    stop_at: int | None = bounded(None, ge=1)
     checkpoint_every: int = bounded(1, ge=1)  # steps between model+optimizer checkpoints (resume point after a crash)
     keep_checkpoints: int = bounded(2, ge=1)
     # write each checkpoint while the next step trains (primerl/trainer/checkpoint.py, AsyncCheckpointer); a kill
