@@ -12,6 +12,7 @@ COMMANDS = {  # command: (module, what it does)
     "sft": ("primerl.sft", "the SFT warm-start alone (reused by later runs with the same settings)"),
     "eval": ("primerl.eval", "score a model, or a run's policy, on any verifiers environment"),
     "compare": ("primerl.compare", "compare runs recorded in the MLflow ledger (table and reward curves)"),
+    "rerun": ("primerl.rerun", "run a recorded run again from its MLflow record (its overrides, seeds and commit)"),
     "replay": ("primerl.replay", "train a run's stored batches again and check each step against its record"),
     "inference": ("primerl.inference", "serve the run's policy with vLLM (one process of a run)"),
     "orchestrator": ("primerl.orchestrator", "rollouts to trainer batches (one process of a run)"),
@@ -31,6 +32,7 @@ examples:
   primerl train -m +experiment=reverse_text seed=0,1,2     # a sweep, recorded as one parent run in MLflow
   primerl eval +experiment=reverse_text eval.run=outputs/reverse_text/RUN
   primerl compare --experiment reverse_text
+  primerl rerun RUN_ID                                     # the same command again, tagged rerun_of
   primerl replay outputs/reverse_text/RUN                  # train its batches again, check against its record
   primerl train +experiment=reverse_text --cfg job        # print the composed config and exit
 
@@ -53,12 +55,12 @@ def main() -> None:
         print(f"primerl: unknown command '{command}'; one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(
-        COMMANDS[command][0] + ("" if command in ("train", "compare", "replay") else ".__main__")
+        COMMANDS[command][0] + ("" if command in ("train", "compare", "replay", "rerun") else ".__main__")
     )
     sys.argv = [f"primerl {command}", *sys.argv[2:]]
     status = (
         module.main()
-    )  # compare and replay return their exit status; the Hydra entry points exit on failure themselves
+    )  # compare, replay and rerun return their exit status; the Hydra entry points exit on failure themselves
     sys.exit(status if type(status) is int else 0)
 
 

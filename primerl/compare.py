@@ -6,6 +6,7 @@ settings that differ between them and their final metrics, and writes a PNG of t
     python -m primerl.compare --experiment reverse_text
     python -m primerl.compare --sweep multirun/reverse_text/2026-12-02_10-00-00 --plot sweep.png
     python -m primerl.compare --filter "params.trainer.optim.lr = '3e-05'"
+    python -m primerl.compare --rerun-of 0123456789abcdef0123456789abcdef
 """
 
 import argparse
@@ -25,6 +26,15 @@ NOISY_PARAMS = ("output_dir", "hydra", "cache_dir")
 
 def default_uri(store_dir: str) -> str:
     return f"sqlite:///{Path(store_dir).resolve() / 'mlflow.db'}"
+
+
+def rerun_family(client: MlflowClient, run_id: str) -> list:
+    """The run `run_id` and every rerun of it (tag rerun_of, set by primerl rerun), oldest first."""
+    original = client.get_run(run_id)
+    reruns = client.search_runs(
+        [original.info.experiment_id], f"tags.rerun_of = '{run_id}'", order_by=["attributes.start_time ASC"]
+    )
+    return [original, *reruns]
 
 
 def select_runs(client: MlflowClient, experiment: str | None, sweep: str | None, filter_string: str) -> list:
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--experiment", help="experiment name (default: every experiment)")
     parser.add_argument("--sweep", help="a sweep's parent run id or its sweep directory")
+    parser.add_argument("--rerun-of", help="a run id: that run and its reruns (primerl rerun)")
     parser.add_argument(
         "--filter", default="", help="an MLflow search filter, e.g. \"params.seed = '1'\" (default: none)"
     )
@@ -107,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: no ledger at {uri}", file=sys.stderr)
         return 2
     client = MlflowClient(uri)
-    runs = select_runs(client, args.experiment, args.sweep, args.filter)
+    if args.rerun_of:
+        runs = rerun_family(client, args.rerun_of)
+    else:
+        runs = select_runs(client, args.experiment, args.sweep, args.filter)
     if not runs:
         print("compare: no runs match", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ LAYERS = [
     ("model", "envs"),
     ("trainer", "inference"),
     ("orchestrator", "sft", "eval", "ledger", "plot"),
-    ("launch", "train", "compare", "replay", "cli"),
+    ("launch", "train", "compare", "replay", "rerun", "cli"),
 ]
 
 

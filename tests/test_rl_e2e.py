@@ -319,6 +319,26 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     for name in ("trainer/loss", "orchestrator/reward/mean"):
         assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(steps)), name
 
+    # the same run again from its MLflow record, shortened (an override given to rerun), tagged and compared
+    uri = json.loads((run / "ledger.json").read_text())["tracking_uri"]
+    rerun = [sys.executable, "-m", "primerl.cli", "rerun", run_id, "--force", "--tracking-uri", uri]
+    result = subprocess.run(
+        [*rerun, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'rerun'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    experiment = client.get_run(run_id).info.experiment_id
+    (again,) = client.search_runs([experiment], f"tags.rerun_of = '{run_id}'")
+    assert again.info.status == "FINISHED" and again.data.params["trainer.max_steps"] == "2"
+    assert again.data.params["seed"] == client.get_run(run_id).data.params["seed"]
+    assert again.data.params["trainer.lr_schedule.type"] == "cosine"  # the recorded overrides came along
+    compare = [sys.executable, "-m", "primerl.cli", "compare", "--tracking-uri", uri, "--rerun-of", run_id]
+    shown = subprocess.run([*compare, "--plot", ""], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "2 run(s)" in shown.stdout and "trainer.max_steps" in shown.stdout, shown
+
 
 def _descendants(pid: int) -> set[int]:
     """`pid` and every process below it (from each process's parent in /proc/<pid>/stat)."""

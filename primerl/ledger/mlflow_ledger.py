@@ -160,6 +160,7 @@ class Ledger:
             "model.init_seed": str(cfg.model.init_seed),
             "launcher": cfg.launcher.name,
             **system_tags(),
+            **{key: str(value) for key, value in cfg.ledger.tags.items()},
         }
         tags |= standard_tags(cfg, kind, tags["git.commit"])
         if sweep_dir is not None:

@@ -1,0 +1,105 @@
+"""`primerl rerun RUN_ID [--force] [--dry-run] [OVERRIDES...]`: run a recorded run again from its MLflow record.
+
+The command is rebuilt from the record: the run's overrides (its `config/overrides.yaml` artifact, else
+`<run_dir>/.hydra/overrides.yaml`), its seeds (tags `seed`, `model.init_seed`) and the experiment they name; the
+run directory is left out, so the rerun gets a new one, and a masked secret is left out, so the rerun makes its
+own key. Run it from the directory the run was launched from: the
+rerun is recorded in the same ledger (the recorded `ledger.*` overrides, else the default store). The new MLflow
+run is tagged `rerun_of=<RUN_ID>`; `primerl compare --rerun-of RUN_ID` shows the two side
+by side with the settings that differ. OVERRIDES given here are added last (an ablation of a recorded run).
+
+The record names the commit it ran (`git.commit`, `git.dirty`): a checkout at another commit, or with uncommitted
+changes, may not run what the record ran, and the rerun is refused with one line unless `--force`. What a rerun
+reproduces exactly, and what it cannot: docs/training.md, "Rerunning and replaying".
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from primerl.compare import default_uri
+from primerl.ledger.system_info import system_tags
+from primerl.utils.secrets import MASK
+
+LEFT_OUT = ("output_dir=", "hydra.run.dir=", "hydra.sweep.dir=", "seed=", "model.init_seed=", "ledger.tags.rerun_of=")
+
+
+class Refused(Exception):
+    pass
+
+
+def recorded_overrides(client: MlflowClient, run) -> list[str]:
+    """The run's overrides, without its directory, its seeds (added from their tags) and masked secrets."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # its bar would be a second line
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = Path(client.download_artifacts(run.info.run_id, "config/overrides.yaml", tmp))
+        except (MlflowException, OSError):
+            path = Path(run.data.tags.get("primerl.run_dir", "")) / ".hydra" / "overrides.yaml"
+        if not path.is_file():
+            raise Refused(f"run {run.info.run_id} has no recorded overrides (config/overrides.yaml)")
+        overrides = [str(o) for o in yaml.safe_load(path.read_text()) or []]
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(LEFT_OUT) and not o.endswith(f"={MASK}")]
+    tags = run.data.tags
+    return [*kept, f"seed={tags.get('seed', '0')}", f"model.init_seed={tags.get('model.init_seed', '0')}"]
+
+
+def check_commit(run, force: bool) -> str | None:
+    """A warning when this checkout is not the recorded commit, or is dirty; Refused unless `force`."""
+    recorded = run.data.tags.get("git.commit", "unknown")
+    here = system_tags()
+    problems = []
+    if here["git.commit"] != recorded:
+        problems.append(f"the run ran commit {recorded[:12]}, this checkout is {here['git.commit'][:12]}")
+    if here["git.dirty"] != "false":
+        problems.append("this checkout has uncommitted changes")
+    if run.data.tags.get("git.dirty") == "true":
+        problems.append("the run itself ran with uncommitted changes, which the record does not hold")
+    if not problems:
+        return None
+    message = "; ".join(problems)
+    if not force:
+        raise Refused(f"{message}: the rerun may not run what the record ran (--force to go on)")
+    return message
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="primerl rerun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run_id", help="the MLflow run id of the run to repeat")
+    parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else the sqlite store in --store-dir")
+    parser.add_argument("--store-dir", default="outputs", help="the embedded store's directory (default: outputs)")
+    parser.add_argument("--force", action="store_true", help="go on at another commit or with uncommitted changes")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    args, extra = parser.parse_known_args(argv)
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(args.store_dir)
+    client = MlflowClient(uri)
+    try:
+        try:
+            run = client.get_run(args.run_id)
+        except MlflowException as err:
+            raise Refused(f"no run {args.run_id} in {uri}") from err
+        overrides = [*recorded_overrides(client, run), f"+ledger.tags.rerun_of='{args.run_id}'", *extra]
+        warning = check_commit(run, args.force)
+    except Refused as err:
+        print(f"rerun: {err}", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"rerun: warning: {warning}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "primerl.train", *overrides]
+    print("rerun: " + " ".join(cmd[1:]), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.run(cmd).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
