@@ -14,7 +14,6 @@ differ, 2 bad input (one line, nothing started).
 """
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from safetensors.torch import load_file
 from primerl.config.cli import check
 from primerl.config.schema import RunConfig
 from primerl.launch.children import child_env, module_command
+from primerl.launch.local import trainer_threads
 from primerl.metrics import TRAINER, TrainerMetric, read_metrics
 from primerl.model.start import sft_applies, sft_checkpoint_dir
 from primerl.transport.atomic import is_stable
@@ -87,7 +87,7 @@ def start_weights(cfg: RunConfig) -> None:
 
 def train(run: Path, out: Path, cfg: RunConfig, overrides: list[str], end: int) -> None:
     overrides = [*overrides, f"trainer.stop_at={end}"]
-    threads = cfg.launcher.trainer_threads or max(1, (os.cpu_count() or 2) - 1)  # as the local launcher gives it
+    threads = trainer_threads(cfg)  # as the local launcher gives them: float sums depend on the thread count
     cmd = module_command("primerl.trainer", overrides, out, cfg.launcher.trainer_tasks_per_node)
     log = log_path(out, "trainer")
     log.parent.mkdir(parents=True, exist_ok=True)

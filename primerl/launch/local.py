@@ -21,6 +21,12 @@ GRACE_S = 20.0
 LOOPBACK_GLOO = {"GLOO_SOCKET_IFNAME": "lo"}  # ranks on one machine: gloo's pair sockets listen on loopback only
 
 
+def trainer_threads(cfg: RunConfig) -> int | None:
+    """The trainer's CPU threads: launcher.trainer_threads, else, on CPU, every core but the one vLLM pins."""
+    cpu = cfg.inference.device == "cpu" or (cfg.inference.device == "auto" and not _has_cuda())
+    return cfg.launcher.trainer_threads or (max(1, (os.cpu_count() or 2) - 1) if cpu else None)
+
+
 @dataclass
 class Child:
     name: str
@@ -48,7 +54,6 @@ class LocalLauncher:
         inference_address_path(self.run_dir).unlink(missing_ok=True)
         if self.cfg.inference.port == 0:  # free ports, the same for the servers and the orchestrator
             overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
-        cpu = self.cfg.inference.device == "cpu" or (self.cfg.inference.device == "auto" and not _has_cuda())
         nproc = self.cfg.launcher.trainer_tasks_per_node
         gpus = plan_gpus(self.cfg.launcher, self.cfg.inference, visible_gpus())  # replicas: primerl.inference
         self._spawn("inference", module_command("primerl.inference", overrides, self.run_dir), child_env())
@@ -57,8 +62,7 @@ class LocalLauncher:
             module_command("primerl.orchestrator", overrides, self.run_dir),
             child_env(threads=1) | gpus.orchestrator_env(),
         )
-        # on CPU, vLLM pins one core; by default the trainer gets the rest
-        threads = self.cfg.launcher.trainer_threads or (max(1, (os.cpu_count() or 2) - 1) if cpu else None)
+        threads = trainer_threads(self.cfg)
         self._spawn(
             "trainer",
             module_command("primerl.trainer", overrides, self.run_dir, nproc),

@@ -65,7 +65,7 @@ class Orchestrator:
         self.step = start_step  # the next batch to cut
         self.servers = servers or AlwaysServing()
         self.meter = meter or CutMeter()
-        self.sink = Sink(cfg.batch_size, cfg.off_policy_bound, advantage=cfg.advantage, keep=cfg.filter)
+        self.sink = Sink(cfg.batch_size, cfg.off_policy_bound, advantage=cfg.advantage, group_filter=cfg.filter)
         self.dispatcher = Dispatcher(
             source,
             runner,

@@ -47,10 +47,11 @@ class Sink:
         max_off_policy_steps: int,
         examples_per_batch: int = 4,
         advantage: str = "mean",
-        keep: FilterConfig | None = None,
+        group_filter: FilterConfig | None = None,
     ):
         self.batch_size, self.max_off_policy_steps = batch_size, max_off_policy_steps
-        self.examples_per_batch, self.advantage, self.filter = examples_per_batch, advantage, keep or FilterConfig()
+        self.examples_per_batch, self.advantage = examples_per_batch, advantage
+        self.group_filter = group_filter or FilterConfig()
         self.buffer: list[_Buffered] = []
         self.pending_dropped = 0  # dropped since the last emitted batch: reported with the next one
         self.pending_filtered = 0  # rollouts of groups the filter rejected since the last emitted batch
@@ -62,7 +63,7 @@ class Sink:
     def add(self, group: FinishedGroup) -> None:
         """Buffer the group's samples with their advantages, unless the filter rejects the group (counted)."""
         rewards = [f.rollout.reward for f in group.rollouts]
-        if not self.filter.keeps(rewards):
+        if not self.group_filter.keeps(rewards):
             self.pending_filtered += len(rewards)
             return
         advantages = group_advantages(rewards, self.advantage)
