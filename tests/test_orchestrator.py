@@ -174,9 +174,12 @@ def test_failures_are_counted_and_a_hopeless_env_stops_the_run(tmp_path):
     fails = lambda task: {0: "reward NaN", 1: "raise"}.get(task.index % 4)  # noqa: E731
     orch, runner, writer = run_pipeline(tmp_path / "some", 5, {"fails": fails})
     rows = read_metrics(tmp_path / "some", ORCHESTRATOR)
-    assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
     c = orch.dispatcher.counts
     assert c.dispatched == c.ok + c.failed + c.cancelled
+    # each row counts what finished since the previous cut: two cuts in a row (a buffer that held two batches, on a
+    # loaded machine) leave the second with none, so the rows are checked in sum
+    assert 0 < sum(r["rollouts/failed"] for r in rows) <= c.failed
+    assert 0 < sum(r["rollouts/ok"] for r in rows) <= c.ok
     # the error names the reasons: with no batch cut yet, no step line has logged them
     with pytest.raises(RuntimeError, match=r"rollouts in a row failed .* reasons since the last batch: \d+x .*always"):
         run_pipeline(tmp_path / "all", 5, {"fails": lambda task: "always"})
