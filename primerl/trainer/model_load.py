@@ -78,9 +78,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 class StoredTensors:
-    """The tensors of a model directory's safetensors files, by name, read one at a time (headers read up front)."""
+    """The tensors of a model directory's safetensors files, by name, read one at a time. Each file is opened (its
+    header parsed) once, not once per tensor: a MoE checkpoint holds tens of thousands of per-expert tensors."""
 
     def __init__(self, base: str | Path):
+        self._opened: dict[Path, safe_open] = {}
         index = Path(base) / "model.safetensors.index.json"
         if index.exists():
             files = json.loads(index.read_text())["weight_map"]
@@ -96,8 +98,10 @@ class StoredTensors:
 
     def read(self, name: str, part: tuple[slice, ...]) -> torch.Tensor:
         """The `part` of tensor `name`: only those bytes are read."""
-        with safe_open(str(self.file_of[name]), framework="pt") as f:
-            return f.get_slice(name)[part]
+        file = self.file_of[name]
+        if file not in self._opened:
+            self._opened[file] = safe_open(str(file), framework="pt")
+        return self._opened[file].get_slice(name)[part]
 
     def read_experts(self, names: list[list[str]], part: tuple[slice, ...]) -> torch.Tensor:
         """Experts stored one tensor per expert and projection, stacked as transformers fuses them ([E, 2I, H]
