@@ -18,7 +18,7 @@ from primerl.trainer.config import LrScheduleConfig
 from primerl.trainer.lr_schedule import scheduled_lr
 from primerl.transport.atomic import is_stable
 from primerl.transport.batches import read_rollout_batch
-from primerl.transport.run_dir import rollout_path, weights_path
+from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
 from tests.conftest import ROOT, run_module, wandb_offline_records
@@ -338,6 +338,22 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     compare = [sys.executable, "-m", "primerl.cli", "compare", "--tracking-uri", uri, "--rerun-of", run_id]
     shown = subprocess.run([*compare, "--plot", ""], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0 and "2 run(s)" in shown.stdout and "trainer.max_steps" in shown.stdout, shown
+
+    # a fork from the run's checkpoint of step 5 trains steps 5 and 6 with another loss, drawing the tasks after it
+    fork, at = tmp_path / "fork", steps - 1
+    ablation = (f"fork.run={run}", f"fork.step={at}", "trainer.loss.type=ppo_clip")
+    result = _train(fork, *ablation, steps=steps + 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"starting at step {at} from {checkpoint_path(fork, at)}" in (fork / "logs" / "trainer.log").read_text()
+    for process in ("trainer", "orchestrator"):
+        rows = read_metrics(fork, process)
+        assert [r["step"] for r in rows] == list(range(steps + 1))
+        assert rows[:at] == read_metrics(run, process)[:at]  # the shared prefix, as the parent logged it
+    assert read_rollout_batch(rollout_path(fork, at)).data_position > positions[at - 1]
+    assert latest_checkpoint(run) == steps and len(read_metrics(run, "trainer")) == steps  # the parent is as it was
+    forked = MlflowClient(uri).search_runs([experiment], f"tags.forked_from = '{run_id}'")
+    assert len(forked) == 1 and forked[0].data.tags["fork_step"] == str(at)
+    assert forked[0].data.params["trainer.loss.type"] == "ppo_clip"
 
 
 def _descendants(pid: int) -> set[int]:

@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from primerl.envs.config import EnvConfig, MixtureEntry
 from primerl.eval.config import EvalConfig
 from primerl.inference.config import InferenceConfig
-from primerl.launch.config import LauncherConfig
+from primerl.launch.config import ForkConfig, LauncherConfig
 from primerl.ledger.config import LedgerConfig
 from primerl.model.config import ModelConfig
 from primerl.orchestrator.config import OrchestratorConfig
@@ -37,6 +37,7 @@ class RunConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # python -m primerl.eval
+    fork: ForkConfig = field(default_factory=ForkConfig)  # start from another run's checkpoint
     # settings a resumed run may change although it was started with others (primerl.launch.resume), e.g.
     # [trainer.optim.lr]; a key names itself and everything below it
     allow_changes: list[str] = field(default_factory=list)

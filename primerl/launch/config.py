@@ -48,3 +48,14 @@ class LauncherConfig:
     sbatch: dict[str, dict[str, Any]] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)  # shell lines run first in every job (module load, ...)
     poll_s: float = bounded(5.0, gt=0)  # how often the driver asks SLURM for job states
+
+
+@dataclass
+class ForkConfig:
+    """A run that starts from another run's checkpoint (primerl.launch.fork): `fork.run=DIR` the parent's run
+    directory, `fork.step` its checkpoint (None: the newest STABLE one), `weights_only` leaves the optimizer state
+    fresh."""
+
+    run: str | None = None
+    step: int | None = bounded(None, ge=1)
+    weights_only: bool = False

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed
+from primerl.launch.fork import seed_fork
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers
 from primerl.launch.resume import check_resume
 from primerl.launch.supervise import bookkeeping, run_topology
@@ -38,6 +39,7 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
         if cfg.launcher.name == "local":
             clear_leftovers(run_dir)  # what a driver killed -9 left: processes, temporaries
         preflight(cfg)
+        cfg.ledger.tags |= seed_fork(cfg, run_dir)  # a fork starts as a resume of its parent at the fork's step
         check_resume(cfg, run_dir)
         ledger = open_ledger(cfg, dict_cfg, hydra_cfg) if cfg.ledger.enabled else None
         if cfg.ledger.wandb.enabled:

@@ -72,6 +72,7 @@ def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
     start = latest_checkpoint(run_dir) or 0
     # a replayed step (checkpoint_every > 1) keeps its first row
     logged = {row["step"] for row in read_metrics(run_dir, TRAINER)}
+    state = {}
     if start:
         state = trainer.restore(checkpoint_path(run_dir, start))
         if trainer.info.is_main and start - 1 not in logged:  # the predecessor died between checkpoint and metrics
@@ -80,7 +81,8 @@ def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
             publish(trainer, run_dir, start, keep=None)  # the next publish drops what is no longer needed
     if trainer.info.is_main:
         source = checkpoint_path(run_dir, start) if start else trainer.base
-        log.info(f"starting at step {start} from {source} on {trainer.info.world_size} rank(s)")
+        fresh = " (its weights only: the optimizer starts fresh)" if start and state.get("weights_only") else ""
+        log.info(f"starting at step {start} from {source}{fresh} on {trainer.info.world_size} rank(s)")
     return start, logged
 
 

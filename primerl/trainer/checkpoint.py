@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from primerl.transport.atomic import atomic_dir, latest_stable, shared_staging_path
@@ -201,9 +201,14 @@ def verify_checkpoint(path: Path) -> dict:
 
 
 def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
-    """Collective: load model and optimizer state from `path` in place; returns its trainer_state.json."""
+    """Collective: load model and optimizer state from `path` in place; returns its trainer_state.json. A checkpoint
+    marked `weights_only` (a fork's start, primerl.launch.fork) loads the model alone and leaves the optimizer
+    without state, as a fresh one is."""
     state = verify_checkpoint(path)
     flat, model_state, optim_state = _flat_state(model, optimizer)
+    weights_only = state.get("weights_only", False)
+    if weights_only:
+        flat = {key: value for key, value in flat.items() if key.startswith("model.")}
     try:
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path)))
     except (KeyboardInterrupt, SystemExit):
@@ -212,5 +217,9 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
         # CheckpointException is a BaseException)
         why = (str(err).splitlines() or [""])[0][:200]
         raise CorruptCheckpoint(path, f"{type(err).__name__}: {why} (a checkpoint of another model?)") from err
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    if weights_only:
+        set_model_state_dict(model, model_state)
+        optimizer.state.clear()  # _flat_state made zero moments and one empty step; a fresh optimizer has neither
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     return state

@@ -13,6 +13,7 @@
   run_settings.json              the settings a resume must keep (primerl.launch.resume)
   format.json                    the directory's format version (primerl.transport.formats)
   ledger.json                    the MLflow run that records this directory
+  fork.json                      the run and step a fork started from (primerl.launch.fork)
   wandb.json, wandb/              the W&B run that records this directory (ledger.wandb), and W&B's own files
   ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
   reward.png                     the reward curve (and online evals), drawn at the end of the run
@@ -83,6 +84,10 @@ def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
 
 def ledger_record_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger.json"
+
+
+def fork_record_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "fork.json"
 
 
 def run_format_path(run_dir: str | Path) -> Path:
