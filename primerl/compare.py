@@ -1,12 +1,15 @@
 """`python -m primerl.compare`: compare runs recorded in the MLflow ledger.
 
 Selects runs by experiment, sweep (parent run id or sweep directory) and an MLflow filter string, prints the
-settings that differ between them and their final metrics, and writes a PNG of their reward curves.
+settings that differ between them and their final metrics, and writes a PNG of their reward curves. With --by-seed,
+runs that differ only in their seed make one row: held-out reward per eval, minutes, samples trained per second and
+minutes to a target reward, each as mean [min, max] over the seeds.
 
     python -m primerl.compare --experiment reverse_text
     python -m primerl.compare --sweep multirun/reverse_text/2026-12-02_10-00-00 --plot sweep.png
     python -m primerl.compare --filter "params.trainer.optim.lr = '3e-05'"
     python -m primerl.compare --rerun-of 0123456789abcdef0123456789abcdef
+    python -m primerl.compare --sweep multirun/reverse_text/2026-12-02_10-00-00 --by-seed --target 0.95 --markdown
 """
 
 import argparse
@@ -16,12 +19,13 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from primerl.ledger.seed_groups import group, mean_curves, seed_table, setting_keys, summarize
 from primerl.plot import plot_curves
 
 REWARD = "orchestrator/reward/mean"
 FINAL_METRICS = (REWARD, "trainer/loss", "trainer/mismatch_kl", "orchestrator/rollouts/failed")
 RESULT_PARAMS = ("sft.result.loss_final",)
-NOISY_PARAMS = ("output_dir", "hydra", "cache_dir")
+NOISY_PARAMS = ("output_dir", "hydra", "cache_dir", "sft.result.")  # not settings: paths, results
 
 
 def default_uri(store_dir: str) -> str:
@@ -60,7 +64,15 @@ def eval_metrics(runs: list) -> list[str]:
     return sorted({m for r in runs for m in r.data.metrics if m.startswith("eval/") and m.endswith("/reward_mean")})
 
 
-def table(runs: list, keys: list[str]) -> str:
+def render(rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = [rows[0], ["---"] * len(rows[0]), *rows[1:]]
+        return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in lines)
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def table(runs: list, keys: list[str]) -> list[list[str]]:
     evals = eval_metrics(runs)
     header = [
         "run",
@@ -82,8 +94,7 @@ def table(runs: list, keys: list[str]) -> str:
                 *(r.data.params.get(p, "-") for p in RESULT_PARAMS),
             ]
         )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         help="where the PNG of reward curves is written, relative to the current directory; '' for none "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--by-seed", action="store_true", help="one row per setting, mean [min, max] over the runs' seeds"
+    )
+    parser.add_argument(
+        "--target", type=float, default=0.95, help="--by-seed: the held-out reward timed (default: %(default)s)"
+    )
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(args.store_dir)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
@@ -127,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     keys = differing_params(runs)
     print(f"{len(runs)} run(s) in {uri}; settings that differ: {', '.join(keys) or '(none)'}")
-    print(table(runs, keys))
+    if args.by_seed:
+        return by_seed(client, runs, keys, args)
+    print(render(table(runs, keys), args.markdown))
     if args.plot:
         curves = {}
         for r in runs:
@@ -136,6 +156,19 @@ def main(argv: list[str] | None = None) -> int:
                 label += " " + " ".join(f"{k.rsplit('.', 1)[-1]}={r.data.params.get(k)}" for k in keys)
             curves[label] = [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, REWARD)]
         print(f"reward curves: {plot_curves(curves, args.plot, title='reward per step')}")
+    return 0
+
+
+def by_seed(client: MlflowClient, runs: list, keys: list[str], args: argparse.Namespace) -> int:
+    keys = setting_keys(runs, keys)
+    groups = group([summarize(client, r, keys, args.target) for r in runs])
+    print(render(seed_table(groups, keys, args.target), args.markdown))
+    if args.plot:
+        curves = mean_curves(groups, keys)
+        means = {label: [(s, mean) for s, mean, _, _ in points] for label, points in curves.items()}
+        bands = {label: [(s, low, high) for s, _, low, high in points] for label, points in curves.items()}
+        title = "held-out reward, mean over seeds (band: min to max)"
+        print(f"held-out reward: {plot_curves(means, args.plot, title, 'held-out reward', bands)}")
     return 0
 
 

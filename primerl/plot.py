@@ -12,13 +12,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_curves(
-    curves: dict[str, list[tuple[int, float]]], path: str | Path, title: str = "", ylabel: str = "mean reward"
+    curves: dict[str, list[tuple[int, float]]],
+    path: str | Path,
+    title: str = "",
+    ylabel: str = "mean reward",
+    bands: dict[str, list[tuple[int, float, float]]] | None = None,
 ) -> Path:
+    """One line per curve; `bands[label]`, (step, low, high) points, shades a range around that curve."""
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for label, points in curves.items():
         if points:
             steps, values = zip(*sorted(points))
-            ax.plot(steps, values, marker="o", markersize=3, label=label)
+            (line,) = ax.plot(steps, values, marker="o", markersize=3, label=label)
+            if bands and bands.get(label):
+                band_steps, lows, highs = zip(*sorted(bands[label]))
+                ax.fill_between(band_steps, lows, highs, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("trainer step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -180,6 +180,48 @@ def test_compare_prints_differences_and_plots(tmp_path):
     assert missing.returncode == 2 and "no ledger" in missing.stderr
 
 
+def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_path):
+    sweep = tmp_path / "sweep"
+    evals = {("1e-5", 0): (0.2, 0.6), ("1e-5", 1): (0.4, 0.8), ("3e-5", 0): (0.2, 0.96), ("3e-5", 1): (0.4, 1.0)}
+    for job, ((lr, seed), (first, last)) in enumerate(evals.items()):
+        cfg, resolved = _cfg(tmp_path, "name=seeds", f"trainer.optim.lr={lr}", f"seed={seed}")
+        ledger = Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job)
+        for step in range(3):
+            ledger.log_metrics(step, {"reward/mean": 0.5}, "orchestrator/")
+            ledger.log_metrics(step, {"loss": 0.1}, "trainer/")
+            time.sleep(0.01)  # the trainer rows span some time: samples per second are finite
+        ledger.log_metrics(0, {"primerl-reverse-text/reward_mean": first}, "eval/")
+        ledger.log_metrics(10, {"primerl-reverse-text/reward_mean": last}, "eval/")
+        ledger.finish()
+    result = run_module(
+        "primerl.compare",
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--sweep",
+        str(sweep),
+        "--by-seed",
+        "--markdown",
+        "--target",
+        "0.95",
+        "--plot",
+        str(tmp_path / "seeds.png"),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "settings that differ: env.args.seed, seed, trainer.optim.lr" in result.stdout
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ") for line in result.stdout.splitlines() if "e-05" in line
+    }
+    assert rows.keys() == {"1e-05", "3e-05"}
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| trainer.optim.lr"))
+    assert header.split(" | ")[1:4] == ["seeds", "eval v0", "eval v10"]
+    assert rows["1e-05"][1:4] == ["2", "0.3 [0.2, 0.4]", "0.7 [0.6, 0.8]"]
+    assert rows["3e-05"][3] == "0.98 [0.96, 1]"
+    assert rows["1e-05"][-1].strip(" |") == "-" and rows["3e-05"][-1].strip(" |") != "-"  # target never reached
+    assert float(rows["3e-05"][5].split()[0]) > 0  # samples trained per second
+    assert (tmp_path / "seeds.png").stat().st_size > 1000
+
+
 @pytest.mark.slow
 def test_real_mlflow_server_on_loopback(tmp_path):
     port = free_port()

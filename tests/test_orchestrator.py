@@ -12,7 +12,7 @@ import pytest
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.metrics import ORCHESTRATOR, read_metrics
 from primerl.orchestrator.config import FilterConfig, OrchestratorConfig
-from primerl.orchestrator.dispatcher import Dispatcher
+from primerl.orchestrator.dispatcher import Dispatcher, request_seed
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.sink import Sink
 from primerl.orchestrator.source import TaskSource
@@ -48,8 +48,10 @@ class FakeRunner:
     running: int = 0
     max_running: int = 0
     spans: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)  # (task index, seed) of every rollout started
 
-    async def run(self, task: FakeTask):
+    async def run(self, task: FakeTask, seed: int | None = None):
+        self.seeds.append((task.index, seed))
         self.started += 1
         self.running += 1
         self.max_running = max(self.max_running, self.running)
@@ -97,13 +99,16 @@ async def fake_trainer(orchestrator: Orchestrator, run_dir, policy: Policy, trai
         await asyncio.sleep(0.001)
 
 
-def run_pipeline(tmp_path, steps: int, runner_kwargs=None, train_s: float = 0.01, **cfg_kwargs):
+def run_pipeline(
+    tmp_path, steps: int, runner_kwargs=None, train_s: float = 0.01, sampling_seed=None, position=0, **cfg_kwargs
+):
     cfg = OrchestratorConfig(**{"batch_size": 8, "group_size": 4, "max_inflight": 16, **cfg_kwargs})
     policy = Policy()
     runner = FakeRunner(policy, **(runner_kwargs or {}))
     writer = RecordingWriter(tmp_path)
     tasks = (FakeTask(i) for i in range(10_000))
-    orchestrator = Orchestrator(cfg, steps, TaskSource(tasks), runner, writer, policy)
+    source = TaskSource(tasks, position)
+    orchestrator = Orchestrator(cfg, steps, source, runner, writer, policy, sampling_seed=sampling_seed)
 
     async def main():
         trainer = asyncio.create_task(fake_trainer(orchestrator, tmp_path, policy, train_s))
@@ -168,6 +173,27 @@ def test_async_level_zero_is_exactly_on_policy(tmp_path):
         assert {(s.policy_version, s.last_policy_version) for s in samples} == {(step, step)}
     rows = read_metrics(tmp_path, ORCHESTRATOR)
     assert [r["off_policy/max"] for r in rows] == [0] * 6 and [r["off_policy/span_max"] for r in rows] == [0] * 6
+
+
+def test_each_rollout_samples_with_the_seed_of_its_task_and_place_in_its_group(tmp_path):
+    def seeds_by_task(runner) -> dict[int, list]:
+        by_task = {}
+        for index, seed in runner.seeds:
+            by_task.setdefault(index, []).append(seed)
+        return by_task
+
+    for name, position in (("first", 0), ("resumed", 40)):  # a resume goes on at its place in the task stream
+        (tmp_path / name).mkdir()
+        _, runner, _ = run_pipeline(tmp_path / name, 2, sampling_seed=7, position=position)
+        by_task = seeds_by_task(runner)
+        assert min(by_task) == position and len(by_task) >= 4
+        for index, seeds in by_task.items():
+            assert sorted(seeds) == sorted(request_seed(7, index, i) for i in range(4)), index
+            assert len(set(seeds)) == 4
+    assert request_seed(7, 3, 0) != request_seed(8, 3, 0) and 0 <= request_seed(7, 3, 0) < 2**63
+    (tmp_path / "unseeded").mkdir()
+    _, runner, _ = run_pipeline(tmp_path / "unseeded", 1)
+    assert {seed for _, seed in runner.seeds} == {None}
 
 
 def test_failures_are_counted_and_a_hopeless_env_stops_the_run(tmp_path):

@@ -70,7 +70,7 @@ class ServerRunner:
         self.tasks: list = []
         self.cancelled: list = []
 
-    async def run(self, task):
+    async def run(self, task, seed=None):
         self.tasks.append(task)
         try:
             await asyncio.sleep(self.seconds)

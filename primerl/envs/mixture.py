@@ -41,8 +41,8 @@ class MixtureRunner:
     def __init__(self, runners: dict[str, Any]):
         self.runners = runners
 
-    async def run(self, mixed: MixedTask) -> list:
-        return await self.runners[mixed.env].run(mixed.task)
+    async def run(self, mixed: MixedTask, seed: int | None = None) -> list:
+        return await self.runners[mixed.env].run(mixed.task, seed)
 
 
 def env_of(task_key: str, names: Iterable[str]) -> str | None:

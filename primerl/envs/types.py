@@ -36,4 +36,6 @@ class RolloutFailure:
 class RolloutRunner(Protocol):
     """Runs one rollout of a task to the end. Failures come back as `RolloutFailure` data, never as exceptions."""
 
-    async def run(self, task: Any) -> list[Rollout | RolloutFailure]: ...
+    async def run(self, task: Any, seed: int | None = None) -> list[Rollout | RolloutFailure]:
+        """`seed`: the rollout's sampling seed, sent with each of its requests (None: the server's own randomness)."""
+        ...

@@ -4,6 +4,7 @@ Errors come back from verifiers as data (`ok=False`, `errors`), not exceptions; 
 timed out, or scored a non-finite reward becomes a counted `RolloutFailure`, never a sample.
 """
 
+import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING
@@ -95,9 +96,17 @@ class EnvRunner:
     def __init__(self, env: vf.Env, ctx: vf.ModelContext):
         self.env, self.ctx = env, ctx
 
-    async def run(self, task: vf.Task) -> list[Rollout | RolloutFailure]:
+    async def run(self, task: vf.Task, seed: int | None = None) -> list[Rollout | RolloutFailure]:
         (slot,) = self.env.slots(task, 1)
-        return episode_rollouts(await self.env.run_slot(slot, self.ctx))
+        return episode_rollouts(await self.env.run_slot(slot, seeded(self.ctx, seed)))
+
+
+def seeded(ctx: vf.ModelContext, seed: int | None) -> vf.ModelContext:
+    """`ctx` whose requests carry `seed`: verifiers' train client passes the sampling keys to vLLM as they are, and
+    vLLM samples a seeded request with a generator of its own (the same tokens for the same logits)."""
+    if seed is None:
+        return ctx
+    return dataclasses.replace(ctx, sampling=ctx.sampling.model_copy(update={"seed": seed}))
 
 
 API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable

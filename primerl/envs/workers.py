@@ -31,7 +31,7 @@ from typing import Any
 import verifiers.v1 as vf
 
 from primerl.envs.types import Rollout, RolloutFailure
-from primerl.envs.verifiers_env import episode_rollouts
+from primerl.envs.verifiers_env import episode_rollouts, seeded
 from primerl.envs.worker_process import (
     Worker,
     exit_reason,
@@ -233,5 +233,5 @@ class WorkerRunner:
     def __init__(self, workers: EnvWorkers, ctx: vf.ModelContext):
         self.workers, self.ctx = workers, ctx
 
-    async def run(self, task: Any) -> list[Rollout | RolloutFailure]:
-        return await self.workers.run(self.ctx, task)
+    async def run(self, task: Any, seed: int | None = None) -> list[Rollout | RolloutFailure]:
+        return await self.workers.run(seeded(self.ctx, seed), task)

@@ -49,6 +49,9 @@ class OrchestratorConfig:
     # importance ratio compares against logprobs of the plain distribution at `temperature`: parameters that reshape it
     # (allowed_token_ids, logit_bias, min_tokens) show up as mismatch_kl and masked tokens.
     sampling_args: dict[str, Any] = field(default_factory=dict)
+    # each rollout's requests carry a seed derived from the run's seed, its task's place in the stream and its place
+    # in the group (primerl.orchestrator.dispatcher.request_seed), so that a rerun samples from the same seeds
+    seed_requests: bool = True
     rollout_timeout_s: float = bounded(120.0, gt=0)
     weight_poll_s: float = bounded(0.2, gt=0)  # how often the run's weights directory is checked for a newer policy
 

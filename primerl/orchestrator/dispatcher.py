@@ -3,7 +3,9 @@
 `run()` admits one group (group_size rollouts of the next task) whenever there is room for it under
 `max_inflight` rollouts and the pacing rule (`may_admit`, the orchestrator's staleness budget) agrees, and otherwise
 sleeps until something changes (`wake()`: a group finished, a batch was cut, the policy advanced). Each group records
-the policy version it was dispatched under.
+the policy version it was dispatched under. With a `sampling_seed`, rollout i of the run's k-th task samples with
+`request_seed(sampling_seed, k, i)`: the same seeds in every rerun of the run, and after a resume (k counts from the
+task stream's start).
 
 Invariants:
 - every dispatched rollout is delivered exactly once, by `deliver` called synchronously as its group ends: in the
@@ -18,6 +20,7 @@ went away (`with_cancellation` on its generate route), so the server stops spend
 """
 
 import asyncio
+import hashlib
 import itertools
 import time
 from collections.abc import Callable
@@ -35,6 +38,13 @@ from primerl.orchestrator.types import (
 from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
+
+
+def request_seed(sampling_seed: int, task_index: int, sample: int) -> int:
+    """The seed of rollout `sample` of the run's `task_index`-th task: distinct within a group, 63 bits (vLLM takes
+    an int64)."""
+    digest = hashlib.blake2b(f"{sampling_seed}/{task_index}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest) >> 1
 
 
 @dataclass
@@ -66,10 +76,11 @@ class Dispatcher:
         rollout_timeout_s: float,
         deliver: Callable[[FinishedGroup | CancelledGroup], None],
         may_admit: Callable[[int], bool] = lambda n: True,
+        sampling_seed: int | None = None,
     ):
         self.source, self.runner, self.policy = source, runner, policy
         self.group_size, self.max_inflight, self.rollout_timeout_s = group_size, max_inflight, rollout_timeout_s
-        self.deliver, self.may_admit = deliver, may_admit
+        self.deliver, self.may_admit, self.sampling_seed = deliver, may_admit, sampling_seed
         self.counts = Counts()
         self.groups: dict[int, _InFlight] = {}
         self._ids = itertools.count()
@@ -102,12 +113,16 @@ class Dispatcher:
     def _admit(self, task: Any) -> None:
         group_id, version = next(self._ids), self.policy.version
         self.counts.dispatched += self.group_size
-        run = asyncio.create_task(self._run_group(group_id, task, version), name=f"group-{group_id}")
+        seeds = [None] * self.group_size
+        if self.sampling_seed is not None:
+            index = self.source.position - 1  # the task just drawn
+            seeds = [request_seed(self.sampling_seed, index, i) for i in range(self.group_size)]
+        run = asyncio.create_task(self._run_group(group_id, task, version, seeds), name=f"group-{group_id}")
         self.groups[group_id] = _InFlight(run, version, self.group_size)
 
-    async def _run_group(self, group_id: int, task: Any, version: int) -> None:
+    async def _run_group(self, group_id: int, task: Any, version: int, seeds: list[int | None]) -> None:
         try:
-            per_rollout = await asyncio.gather(*(self._run_rollout(task) for _ in range(self.group_size)))
+            per_rollout = await asyncio.gather(*(self._run_rollout(task, seed) for seed in seeds))
         except asyncio.CancelledError:
             reason = self.groups[group_id].cancel_reason or "orchestrator stopping"
             self.groups.pop(group_id)
@@ -129,10 +144,10 @@ class Dispatcher:
         self.counts.failed += group.failed_rollouts
         self._emit(group)
 
-    async def _run_rollout(self, task: Any) -> tuple[list[Rollout | RolloutFailure], int, float]:
+    async def _run_rollout(self, task: Any, seed: int | None) -> tuple[list[Rollout | RolloutFailure], int, float]:
         started = time.perf_counter()
         try:
-            entries = await asyncio.wait_for(self.runner.run(task), self.rollout_timeout_s)
+            entries = await asyncio.wait_for(self.runner.run(task, seed), self.rollout_timeout_s)
         except TimeoutError:
             entries = [RolloutFailure(f"rollout exceeded orchestrator.rollout_timeout_s={self.rollout_timeout_s:g}")]
         except asyncio.CancelledError:

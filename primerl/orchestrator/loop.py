@@ -60,6 +60,7 @@ class Orchestrator:
         start_step: int = 0,
         servers: Servers | None = None,
         meter: CutMeter | None = None,
+        sampling_seed: int | None = None,
     ):
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
@@ -75,6 +76,7 @@ class Orchestrator:
             cfg.rollout_timeout_s,
             self._deliver,
             self.may_admit,
+            sampling_seed,
         )
         # an environment that fails every rollout for 5 batches' worth stops the run; a server that dies can fail what
         # is in flight and its replacements before the watcher notices (2 x max_inflight), and resets the count

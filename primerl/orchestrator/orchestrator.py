@@ -218,8 +218,18 @@ async def run_orchestrator(cfg: RunConfig) -> None:
         idle = IdleSampler(replicas.running_requests)
         meter = CutMeter(env_names, idle, replicas, pools)
         source = TaskSource(tasks, position)
+        sampling_seed = cfg.seed if cfg.orchestrator.seed_requests else None
         orchestrator = Orchestrator(
-            cfg.orchestrator, cfg.trainer.max_steps, source, runner, writer, policy, start, servers=watcher, meter=meter
+            cfg.orchestrator,
+            cfg.trainer.max_steps,
+            source,
+            runner,
+            writer,
+            policy,
+            start,
+            servers=watcher,
+            meter=meter,
+            sampling_seed=sampling_seed,
         )
         watcher.on_change = orchestrator.notify
         await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published

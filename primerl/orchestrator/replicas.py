@@ -107,12 +107,12 @@ class ReplicaRunner:
         if make_runner is not None:
             replicas.on_move.append(lambda index, url: self.runners.__setitem__(index, make_runner(url)))
 
-    async def run(self, task: Any) -> list[Rollout | RolloutFailure]:
+    async def run(self, task: Any, seed: int | None = None) -> list[Rollout | RolloutFailure]:
         tried: set[int] = set()
         entries: list[Rollout | RolloutFailure] = []
         while (index := self.replicas.pick(tried)) is not None:
             tried.add(index)
-            entries = await self._run_on(index, task)
+            entries = await self._run_on(index, task, seed)
             if entries is None:  # its replica went down under it
                 entries = [RolloutFailure(f"inference replica {index} went down during the rollout")]
             elif any(isinstance(e, Rollout) for e in entries):
@@ -126,11 +126,11 @@ class ReplicaRunner:
                 self.replicas.rerouted += 1
         return entries or [RolloutFailure("no inference replica is up")]
 
-    async def _run_on(self, index: int, task: Any) -> list[Rollout | RolloutFailure] | None:
+    async def _run_on(self, index: int, task: Any, seed: int | None) -> list[Rollout | RolloutFailure] | None:
         """The rollout's entries from replica `index`; None, the rollout cancelled, if the replica is marked down first."""
         self.replicas.outstanding[index] += 1
         try:
-            entries = await race(self.runners[index].run(task), self.replicas.wait_down(index))
+            entries = await race(self.runners[index].run(task, seed), self.replicas.wait_down(index))
         finally:
             self.replicas.outstanding[index] -= 1
         return None if entries is LOST else entries

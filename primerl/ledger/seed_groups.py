@@ -1,0 +1,103 @@
+"""Runs that differ only in their seed, summarised together: what `primerl compare --by-seed` prints.
+
+Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by policy version), the minutes from its
+first batch to its end, the samples trained per second (batch size x trainer steps over the time between the first
+and the last trainer row) and the minutes from its first batch to its first eval at or above a target. Timed from
+the first batch, not the run's start, so that the SFT warm-start (trained by the first run of a seed, read from the
+cache by the others) and the servers' start do not count.
+Per group of runs with the same settings but their seed: the mean and the range of each of those over the seeds.
+"""
+
+import statistics
+from dataclasses import dataclass
+
+REWARD_SUFFIX = "/reward_mean"
+TRAINER_LOSS = "trainer/loss"
+BATCH_REWARD = "orchestrator/reward/mean"  # one row per batch written
+
+
+def setting_keys(runs: list, keys: list[str]) -> list[str]:
+    """`keys` less `seed` and the keys that follow it (equal to the run's seed in every run: `env.args.seed`)."""
+    return [k for k in keys if k != "seed" and any(r.data.params.get(k) != r.data.params.get("seed") for r in runs)]
+
+
+@dataclass
+class RunSummary:
+    settings: tuple[str, ...]  # the values of the setting keys, in their order
+    evals: dict[int, float]  # policy version -> held-out reward
+    minutes: float | None
+    samples_per_s: float | None
+    minutes_to_target: float | None
+
+
+def eval_metric(run) -> str | None:
+    """The run's first online-eval reward metric, if it has one."""
+    return next((m for m in sorted(run.data.metrics) if m.startswith("eval/") and m.endswith(REWARD_SUFFIX)), None)
+
+
+def summarize(client, run, keys: list[str], target: float) -> RunSummary:
+    batches = client.get_metric_history(run.info.run_id, BATCH_REWARD)
+    start, end = min((m.timestamp for m in batches), default=run.info.start_time), run.info.end_time
+    metric = eval_metric(run)
+    history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step) if metric else []
+    reached = next((m.timestamp for m in history if m.value >= target), None)
+    steps = sorted(m.timestamp for m in client.get_metric_history(run.info.run_id, TRAINER_LOSS))
+    batch_size = float(run.data.params.get("orchestrator.batch_size", "nan"))
+    per_s = batch_size * (len(steps) - 1) / ((steps[-1] - steps[0]) / 1000) if len(steps) > 1 else None
+    return RunSummary(
+        settings=tuple(run.data.params.get(k, "-") for k in keys),
+        evals={m.step: m.value for m in history},
+        minutes=(end - start) / 60_000 if end else None,
+        samples_per_s=per_s if per_s and per_s > 0 else None,
+        minutes_to_target=(reached - start) / 60_000 if reached else None,
+    )
+
+
+def spread(values: list[float | None], digits: int = 3) -> str:
+    """'mean [min, max]' of the values there are (`-` for none); `k/n` first when some runs have none."""
+    have = [v for v in values if v is not None]
+    if not have:
+        return "-"
+    shown = f"{statistics.mean(have):.{digits}g} [{min(have):.{digits}g}, {max(have):.{digits}g}]"
+    return shown if len(have) == len(values) else f"{len(have)}/{len(values)}: {shown}"
+
+
+def group(summaries: list[RunSummary]) -> dict[tuple[str, ...], list[RunSummary]]:
+    groups: dict[tuple[str, ...], list[RunSummary]] = {}
+    for summary in summaries:
+        groups.setdefault(summary.settings, []).append(summary)
+    return groups
+
+
+def seed_table(groups: dict, keys: list[str], target: float) -> list[list[str]]:
+    """Rows (a header first) of the groups' summaries: one column per eval step any run has."""
+    steps = sorted({step for runs in groups.values() for r in runs for step in r.evals})
+    header = [*keys, "seeds", *(f"eval v{s}" for s in steps), "minutes", "samples/s", f"minutes to eval >= {target:g}"]
+    rows = [header]
+    for settings, runs in groups.items():
+        rows.append(
+            [
+                *settings,
+                str(len(runs)),
+                *(spread([r.evals.get(s) for r in runs]) for s in steps),
+                spread([r.minutes for r in runs]),
+                spread([r.samples_per_s for r in runs]),
+                spread([r.minutes_to_target for r in runs]),
+            ]
+        )
+    return rows
+
+
+def mean_curves(groups: dict, keys: list[str]) -> dict[str, list[tuple[int, float, float, float]]]:
+    """label -> (step, mean, min, max) of the held-out reward over each group's seeds."""
+    named = [k.rsplit(".", 1)[-1] for k in keys]
+    curves = {}
+    for settings, runs in groups.items():
+        label = " ".join(f"{k}={v}" for k, v in zip(named, settings)) or "runs"
+        steps = sorted({s for r in runs for s in r.evals})
+        points = []
+        for s in steps:
+            values = [r.evals[s] for r in runs if s in r.evals]
+            points.append((s, statistics.mean(values), min(values), max(values)))
+        curves[label] = points
+    return curves
