@@ -1,0 +1,162 @@
+"""How many rollouts per second one orchestrator process sustains when the inference servers are not the limit: the
+real orchestrator (`python -m primerl.orchestrator`: verifiers env, train client, dispatcher, batch writer) against
+stand-in servers (benchmarks/standin_server.py) with near-zero latency, and a stand-in trainer that publishes policy
+n+1 as soon as batch n is written (a weight update per batch).
+
+    python -m benchmarks.capacity [--replicas 4] [--workers 0 1 2] [--steps 12] [--rounds 2] [--batch 256]
+
+The orchestrator runs on core 0 and the stand-ins on core 1 (taskset), so the figures are the orchestrator's own.
+Per setting: the sustained rollouts/s (rollouts finished between the first and the last batch, over that time),
+the orchestrator's CPU ms per rollout (its process and its env workers, from /proc), the rollouts in flight at the
+cuts, the event-loop lag and the median weight-load pause. Rounds alternate the settings; medians and ranges.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, read_metrics
+from primerl.transport.atomic import atomic_dir
+from primerl.transport.identity import server_identity
+from primerl.transport.run_dir import rollout_path, weights_path
+from primerl.utils.process import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pinned(core: int | None) -> list[str]:
+    """A `taskset` prefix for `core` when the machine has it and more than one core; nothing otherwise."""
+    return ["taskset", "-c", str(core)] if core is not None and (os.cpu_count() or 1) > 1 else []
+
+
+def start_standins(run: Path, port: int, replicas: int, core: int | None, *latency: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "benchmarks.standin_server", "--port", str(port), "--replicas", str(replicas)]
+    cmd += ["--server-id", server_identity(run), *latency]
+    server = subprocess.Popen([*pinned(core), *cmd], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    line = server.stdout.readline()
+    if not line.startswith("stand-in serving"):
+        server.kill()
+        raise RuntimeError(f"the stand-in servers did not start: {line!r}")
+    return server
+
+
+def orchestrator_overrides(run: Path, port: int, replicas: int, steps: int, batch: int, workers: int) -> list[str]:
+    return [
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        "eval.every=0",
+        "ledger.enabled=false",
+        f"inference.port={port}",
+        f"inference.replicas={replicas}",
+        f"trainer.max_steps={steps}",
+        f"orchestrator.batch_size={batch}",
+        f"orchestrator.max_inflight={2 * batch}",
+        f"env.workers={workers}",
+        f"output_dir={run}",
+        f"hydra.run.dir={run}/logs/orchestrator",
+    ]
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    """CPU seconds of `process` and its living descendants (env workers), user and system."""
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout_s: float = 600) -> float:
+    """Run the orchestrator to `steps` batches, publishing policy n+1 once batch n exists (an empty STABLE weights
+    directory: the stand-ins load nothing). Returns its CPU seconds from batch 0 to the last batch."""
+    log = open(run / "orchestrator-stdout.log", "wb")
+    cmd = [*pinned(core), sys.executable, "-m", "primerl.orchestrator", *overrides]
+    orchestrator = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    watched, deadline, cpu_at = psutil.Process(orchestrator.pid), time.monotonic() + timeout_s, {}
+    try:
+        for step in range(steps):
+            while not rollout_path(run, step).exists():
+                if orchestrator.poll() is not None or time.monotonic() > deadline:
+                    tail = (run / "orchestrator-stdout.log").read_text()[-2000:]
+                    raise RuntimeError(f"the orchestrator stopped before batch {step}:\n{tail}")
+                time.sleep(0.005)
+            cpu_at[step] = cpu_seconds(watched)
+            with atomic_dir(weights_path(run, step + 1)):
+                pass
+        if orchestrator.wait(timeout=120) != 0:
+            raise RuntimeError(f"the orchestrator exited with {orchestrator.returncode}")
+    finally:
+        if orchestrator.poll() is None:
+            orchestrator.kill()
+        log.close()
+    return cpu_at[steps - 1] - cpu_at[0]
+
+
+def measure(run: Path, steps: int, cpu_s: float) -> dict[str, float]:
+    """Figures over batches 1..steps-1 (batch 0 includes the start)."""
+    rows = read_metrics(run, ORCHESTRATOR)[1:]
+    seconds = rows[-1]["time"] - read_metrics(run, ORCHESTRATOR)[0]["time"]
+    rollouts = sum(r[OrchestratorMetric.ROLLOUTS_OK] + r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows)
+    return {
+        "rollouts_per_s": rollouts / seconds,
+        "cpu_ms_per_rollout": 1000 * cpu_s / rollouts,
+        "failed": sum(r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows),
+        "inflight": statistics.median(r[OrchestratorMetric.INFLIGHT] for r in rows),
+        "loop_lag_max_ms": 1000 * max(r[OrchestratorMetric.LOOP_LAG_MAX] for r in rows),
+        "weight_load_ms": 1000 * statistics.median(r[OrchestratorMetric.WEIGHT_LOAD_S] for r in rows),
+    }
+
+
+def one_run(root: Path, replicas: int, workers: int, steps: int, batch: int, latency: list[str]) -> dict[str, float]:
+    run = Path(tempfile.mkdtemp(prefix=f"w{workers}-", dir=root))
+    port = free_port()
+    servers = start_standins(run, port, replicas, 1, *latency)
+    try:
+        cpu_s = drive(run, orchestrator_overrides(run, port, replicas, steps, batch, workers), steps, 0)
+    finally:
+        servers.terminate()
+        servers.wait(timeout=30)
+    return measure(run, steps, cpu_s)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=256, help="rollouts per batch (orchestrator.batch_size)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=8, help="completion tokens per rollout")
+    args = parser.parse_args()
+    latency = ["--tokens", str(args.tokens)]
+    results: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
+    with tempfile.TemporaryDirectory(prefix="capacity-") as root:
+        for round_ in range(args.rounds):
+            for workers in args.workers:
+                figures = one_run(Path(root), args.replicas, workers, args.steps, args.batch, latency)
+                results[workers].append(figures)
+                shown = ", ".join(f"{k} {v:.3g}" for k, v in figures.items())
+                print(f"round {round_} env.workers={workers}: {shown}", flush=True)
+    keys = list(next(iter(results.values()))[0])
+    print("\n| env.workers | " + " | ".join(keys) + " |")
+    print("| --- " * (len(keys) + 1) + "|")
+    for workers, runs in results.items():
+        print(f"| {workers} | " + " | ".join(spread([r[k] for r in runs]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
