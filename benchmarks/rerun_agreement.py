@@ -6,7 +6,8 @@ the other run's batch of that step also holds, and whether the step's mean rewar
 
 Each setting runs the reverse_text experiment twice, one run after the other, into fresh run directories (the SFT
 warm-start comes from the cache, so both start from the same weights; online evals off). Extra overrides go to
-every run (e.g. `orchestrator.async_level=0`).
+every run: `orchestrator.drain_per_step=true orchestrator.async_level=0` makes each batch exactly the groups drawn
+for it, sampled by the policy of its step (with continuous dispatch the groups that finish first make the batch).
 """
 
 import argparse
@@ -49,16 +50,22 @@ def run_once(out: Path, steps: int, overrides: list[str]) -> tuple[Path, float]:
     return out, time.perf_counter() - started
 
 
-def agreement(a: Path, b: Path, steps: int) -> list[tuple[float, bool]]:
+def shared(a: collections.Counter, b: collections.Counter) -> float:
+    return sum((a & b).values()) / max(sum(a.values()), 1)
+
+
+def agreement(a: Path, b: Path, steps: int) -> tuple[list[tuple[float, bool]], float]:
+    """Per step: (share of the samples both batches hold, the same mean reward); and the share over the whole run
+    (a sample may land in another step's batch when groups finish in another order)."""
     rewards = [
         {row["step"]: row[OrchestratorMetric.REWARD_MEAN] for row in read_metrics(run, ORCHESTRATOR)} for run in (a, b)
     ]
-    rows = []
-    for step in range(steps):
-        sa, sb = batch_samples(a, step), batch_samples(b, step)
-        shared = sum((sa & sb).values()) / max(sum(sa.values()), 1)
-        rows.append((shared, rewards[0].get(step) == rewards[1].get(step)))
-    return rows
+    per_step = [[batch_samples(run, step) for step in range(steps)] for run in (a, b)]
+    rows = [
+        (shared(per_step[0][step], per_step[1][step]), rewards[0].get(step) == rewards[1].get(step))
+        for step in range(steps)
+    ]
+    return rows, shared(sum(per_step[0], collections.Counter()), sum(per_step[1], collections.Counter()))
 
 
 def main() -> None:
@@ -74,8 +81,9 @@ def main() -> None:
     print("| step | " + " | ".join(f"{n}: samples shared, same reward" for n in SETTINGS) + " |")
     print("| --- " * (len(SETTINGS) + 1) + "|")
     for step in range(args.steps):
-        cells = [f"{results[n][step][0]:.0%}, {'yes' if results[n][step][1] else 'no'}" for n in SETTINGS]
+        cells = [f"{results[n][0][step][0]:.0%}, {'yes' if results[n][0][step][1] else 'no'}" for n in SETTINGS]
         print(f"| {step} | " + " | ".join(cells) + " |")
+    print("| whole run | " + " | ".join(f"{results[n][1]:.0%}" for n in SETTINGS) + " |")
 
 
 if __name__ == "__main__":
