@@ -25,13 +25,15 @@ SETTINGS = {"seeded": "orchestrator.seed_requests=true", "unseeded": "orchestrat
 
 
 def batch_samples(run: Path, step: int) -> collections.Counter:
-    """The step's samples as token tuples (packed rows split where position_ids restart; padding dropped)."""
+    """The step's samples as token tuples (packed rows split where position_ids restart; padding, which has no
+    loss tokens, dropped)."""
     samples = collections.Counter()
     for micro in read_rollout_batch(rollout_path(run, step)).micro_batches:
-        for ids, positions in zip(micro["input_ids"].tolist(), micro["position_ids"].tolist()):
+        rows = zip(micro["input_ids"].tolist(), micro["position_ids"].tolist(), micro["loss_mask"].tolist())
+        for ids, positions, mask in rows:
             starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
             for a, b in zip(starts, starts[1:]):
-                if b - a > 1:  # a pad is a one-token segment
+                if any(mask[a:b]):
                     samples[tuple(ids[a:b])] += 1
     return samples
 
