@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from primerl.metrics import ORCHESTRATOR, OrchestratorMetric, read_metrics
+from primerl.metrics import ORCHESTRATOR, TRAINER, OrchestratorMetric, read_metrics
 from primerl.transport.batches import read_rollout_batch
-from primerl.transport.run_dir import rollout_path
+from primerl.transport.run_dir import rollout_path, weights_path
 
 SETTINGS = {"seeded": "orchestrator.seed_requests=true", "unseeded": "orchestrator.seed_requests=false"}
 
@@ -70,22 +70,36 @@ def agreement(a: Path, b: Path, steps: int) -> tuple[list[tuple[float, bool]], f
     return rows, shared(sum(per_step[0], collections.Counter()), sum(per_step[1], collections.Counter()))
 
 
+def trainer_agreement(a: Path, b: Path, steps: int) -> str:
+    """How far the two trainers agree: equal losses, and the largest difference of the final weights."""
+    from safetensors.torch import load_file
+
+    losses = [{row["step"]: row["loss"] for row in read_metrics(run, TRAINER)} for run in (a, b)]
+    equal = sum(losses[0].get(step) == losses[1].get(step) for step in range(steps))
+    final = [load_file(weights_path(run, steps) / "model.safetensors") for run in (a, b)]
+    diff = max(float((final[0][k] - final[1][k]).abs().max()) for k in final[0])
+    return f"losses equal at {equal} of {steps} steps, final weights differ by at most {diff:.2g}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("/tmp/rerun_agreement"))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     args, overrides = parser.parse_known_args()
     results = {}
-    for name, setting in SETTINGS.items():
+    for name in args.settings:
+        setting = SETTINGS[name]
         runs = [run_once(args.out / f"{name}_{i}", args.steps, [setting, *overrides]) for i in (0, 1)]
         print(f"{name}: runs of {runs[0][1]:.0f} s and {runs[1][1]:.0f} s", flush=True)
         results[name] = agreement(runs[0][0], runs[1][0], args.steps)
-    print("| step | " + " | ".join(f"{n}: samples shared, same reward" for n in SETTINGS) + " |")
-    print("| --- " * (len(SETTINGS) + 1) + "|")
+        print(f"{name}: trainer {trainer_agreement(runs[0][0], runs[1][0], args.steps)}", flush=True)
+    print("| step | " + " | ".join(f"{n}: samples shared, same reward" for n in results) + " |")
+    print("| --- " * (len(results) + 1) + "|")
     for step in range(args.steps):
-        cells = [f"{results[n][0][step][0]:.0%}, {'yes' if results[n][0][step][1] else 'no'}" for n in SETTINGS]
+        cells = [f"{results[n][0][step][0]:.0%}, {'yes' if results[n][0][step][1] else 'no'}" for n in results]
         print(f"| {step} | " + " | ".join(cells) + " |")
-    print("| whole run | " + " | ".join(f"{results[n][1]:.0%}" for n in SETTINGS) + " |")
+    print("| whole run | " + " | ".join(f"{results[n][1]:.0%}" for n in results) + " |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Cut:
 @dataclass
 class _Buffered:
     sample: Sample
+    order: tuple[int, int, int]  # (group id: dispatch order, rollout, branch): the batch's packing order
     rollout: Rollout | None = None  # set on a rollout's first branch only
     example: dict | None = None
 
@@ -67,7 +68,7 @@ class Sink:
             self.pending_filtered += len(rewards)
             return
         advantages = group_advantages(rewards, self.advantage)
-        for finished, advantage in zip(group.rollouts, advantages, strict=True):
+        for r, (finished, advantage) in enumerate(zip(group.rollouts, advantages, strict=True)):
             rollout = finished.rollout
             example = {
                 "task": group.task_key,
@@ -90,7 +91,8 @@ class Sink:
                     group.task_key,
                     finished.last_version,
                 )
-                self.buffer.append(_Buffered(sample, rollout, example) if i == 0 else _Buffered(sample))
+                order = (group.group_id, r, i)
+                self.buffer.append(_Buffered(sample, order, rollout, example) if i == 0 else _Buffered(sample, order))
 
     def drop_stale(self, step: int) -> int:
         oldest = step - self.max_off_policy_steps
@@ -115,6 +117,8 @@ class Sink:
         # oldest policy first (stable): a sample that would be too stale for the next batch is used while it still may
         self.buffer.sort(key=lambda entry: entry.sample.policy_version)
         taken, self.buffer = self.buffer[:n], self.buffer[n:]
+        # packed in dispatch order, not finish order: the same samples make the same batch, to the bit
+        taken.sort(key=lambda entry: entry.order)
         examples = self._examples(step, taken)
         rollouts = [t.rollout for t in taken if t.rollout is not None]
         cut = Cut(step, [t.sample for t in taken], self.pending_dropped, rollouts, examples, self.pending_filtered)
