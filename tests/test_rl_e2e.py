@@ -403,14 +403,11 @@ def _loopback(address: str) -> bool:
 
 def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_dir, tmp_path):
     """async_level=0: batch n comes from policy n. Ctrl-C mid-run stops every process; nothing listened beyond
-    loopback; what was produced stays, in the run directory and in its W&B record (ledger=wandb, offline)."""
+    loopback; what was produced stays, in the run directory and in its W&B record (ledger=wandb, offline). The same
+    command again (lock-step, seeded requests) makes the same batches and the same trainer step, to the bit."""
     run = tmp_path / "interrupted"
-    overrides = (
-        f"inference.port={free_port()}",
-        "ledger=wandb",
-        "ledger.wandb.mode=offline",
-        "orchestrator.async_level=0",
-    )
+    lock_step = ("orchestrator.async_level=0", "orchestrator.drain_per_step=true")
+    overrides = (f"inference.port={free_port()}", "ledger=wandb", "ledger.wandb.mode=offline", *lock_step)
     with _run_until_trainer_step(run, 2, *overrides) as train:
         opened = _listening(_descendants(train.pid))  # vLLM and its engine, the interception server, the trainer
         assert opened and all(_loopback(address) for address, _ in opened), sorted(opened)
@@ -426,6 +423,16 @@ def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_
     history, config = wait_until(lambda: wandb_offline_records(run), "W&B's offline record", timeout_s=60)
     assert [row["trainer/step"] for row in history if "trainer/loss" in row][:2] == [0, 1]
     assert config["orchestrator.async_level"] == "0" and not (run / "ledger.json").exists()  # W&B only
+
+    again = tmp_path / "again"
+    result = _train(again, "ledger=none", *lock_step, steps=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for step in (0, 1):  # batch 1 was sampled by the policy trained on batch 0
+        first, second = (read_rollout_batch(rollout_path(r, step)).micro_batches for r in (run, again))
+        assert len(first) == len(second)
+        for a, b in zip(first, second):
+            assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), step
+    assert read_metrics(again, "trainer")[0]["loss"] == read_metrics(run, "trainer")[0]["loss"]
 
 
 def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):
