@@ -97,7 +97,7 @@ def table(runs: list, keys: list[str]) -> list[list[str]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m primerl.compare",
         description=__doc__.split("\n\n")[1],
@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         "--target", type=float, default=0.95, help="--by-seed: the held-out reward timed (default: %(default)s)"
     )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(args.store_dir)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         print(f"compare: no ledger at {uri}", file=sys.stderr)
