@@ -217,7 +217,8 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
     assert header.split(" | ")[1:4] == ["seeds", "eval v0", "eval v10"]
     assert rows["1e-05"][1:4] == ["2", "0.3 [0.2, 0.4]", "0.7 [0.6, 0.8]"]
     assert rows["3e-05"][3] == "0.98 [0.96, 1]"
-    assert rows["1e-05"][-1].strip(" |") == "-" and rows["3e-05"][-1].strip(" |") != "-"  # target never reached
+    assert rows["1e-05"][-2] == "-" and rows["1e-05"][-1].strip(" |") == "-"  # target never reached
+    assert rows["3e-05"][-2] != "-" and rows["3e-05"][-1].strip(" |") == "10 [10, 10]"  # reached at v10
     assert float(rows["3e-05"][5].split()[0]) > 0  # samples trained per second
     assert (tmp_path / "seeds.png").stat().st_size > 1000
 

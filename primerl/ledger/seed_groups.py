@@ -2,7 +2,8 @@
 
 Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by policy version), the minutes from its
 first batch to its end, the samples trained per second (batch size x trainer steps over the time between the first
-and the last trainer row) and the minutes from its first batch to its first eval at or above a target. Timed from
+and the last trainer row), and the minutes from its first batch to its first eval at or above a target and that
+eval's policy version. Timed from
 the first batch, not the run's start, so that the SFT warm-start (trained by the first run of a seed, read from the
 cache by the others) and the servers' start do not count.
 Per group of runs with the same settings but their seed: the mean and the range of each of those over the seeds.
@@ -28,6 +29,7 @@ class RunSummary:
     minutes: float | None
     samples_per_s: float | None
     minutes_to_target: float | None
+    step_to_target: int | None  # the policy version of the first eval at or above the target
 
 
 def eval_metric(run) -> str | None:
@@ -40,7 +42,7 @@ def summarize(client, run, keys: list[str], target: float) -> RunSummary:
     start, end = min((m.timestamp for m in batches), default=run.info.start_time), run.info.end_time
     metric = eval_metric(run)
     history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step) if metric else []
-    reached = next((m.timestamp for m in history if m.value >= target), None)
+    reached = next((m for m in history if m.value >= target), None)
     steps = sorted(m.timestamp for m in client.get_metric_history(run.info.run_id, TRAINER_LOSS))
     batch_size = float(run.data.params.get("orchestrator.batch_size", "nan"))
     per_s = batch_size * (len(steps) - 1) / ((steps[-1] - steps[0]) / 1000) if len(steps) > 1 else None
@@ -49,7 +51,8 @@ def summarize(client, run, keys: list[str], target: float) -> RunSummary:
         evals={m.step: m.value for m in history},
         minutes=(end - start) / 60_000 if end else None,
         samples_per_s=per_s if per_s and per_s > 0 else None,
-        minutes_to_target=(reached - start) / 60_000 if reached else None,
+        minutes_to_target=(reached.timestamp - start) / 60_000 if reached else None,
+        step_to_target=reached.step if reached else None,
     )
 
 
@@ -72,7 +75,8 @@ def group(summaries: list[RunSummary]) -> dict[tuple[str, ...], list[RunSummary]
 def seed_table(groups: dict, keys: list[str], target: float) -> list[list[str]]:
     """Rows (a header first) of the groups' summaries: one column per eval step any run has."""
     steps = sorted({step for runs in groups.values() for r in runs for step in r.evals})
-    header = [*keys, "seeds", *(f"eval v{s}" for s in steps), "minutes", "samples/s", f"minutes to eval >= {target:g}"]
+    header = [*keys, "seeds", *(f"eval v{s}" for s in steps), "minutes", "samples/s"]
+    header += [f"minutes to eval >= {target:g}", f"step to eval >= {target:g}"]
     rows = [header]
     for settings, runs in groups.items():
         rows.append(
@@ -83,6 +87,7 @@ def seed_table(groups: dict, keys: list[str], target: float) -> list[list[str]]:
                 spread([r.minutes for r in runs]),
                 spread([r.samples_per_s for r in runs]),
                 spread([r.minutes_to_target for r in runs]),
+                spread([r.step_to_target for r in runs]),
             ]
         )
     return rows
