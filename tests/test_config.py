@@ -281,6 +281,7 @@ def test_a_hub_model_resolves_to_its_cached_snapshot_and_offline_uncached_is_one
         "model=qwen3_0_6b",
         "sft.enabled=false",
         "ledger.enabled=false",
+        "inference.port=0",  # the port check comes first; another run on this machine may hold 8000
         f"hydra.run.dir={tmp_path}/run",
         env=env,
     )
