@@ -3,12 +3,13 @@ real orchestrator (`python -m primerl.orchestrator`: verifiers env, train client
 stand-in servers (benchmarks/standin_server.py) with near-zero latency, and a stand-in trainer that publishes policy
 n+1 as soon as batch n is written (a weight update per batch).
 
-    python -m benchmarks.capacity [--replicas 4] [--workers 0 1 2] [--steps 12] [--rounds 2] [--batch 256]
+    python -m benchmarks.capacity [--replicas 4] [--workers 0 1 2] [--steps 12] [--rounds 2] [--batch 256] [--env guess_number]
 
 The orchestrator runs on core 0 and the stand-ins on core 1 (taskset), so the figures are the orchestrator's own.
-Per setting: the sustained rollouts/s (rollouts finished between the first and the last batch, over that time),
-the orchestrator's CPU ms per rollout (its process and its env workers, from /proc), the rollouts in flight at the
-cuts, the event-loop lag and the median weight-load pause. Rounds alternate the settings; medians and ranges.
+Env workers are the orchestrator's children, so they share its core. Per setting: the sustained rollouts/s
+(rollouts finished between the first and the last batch, over that time), the CPU ms per rollout of the
+orchestrator's own process and of its env workers (psutil), the rollouts in flight at the cuts, the event-loop lag
+and the median weight-load pause. Rounds alternate the settings; medians and ranges.
 """
 
 import argparse
@@ -47,9 +48,12 @@ def start_standins(run: Path, port: int, replicas: int, core: int | None, *laten
     return server
 
 
-def orchestrator_overrides(run: Path, port: int, replicas: int, steps: int, batch: int, workers: int) -> list[str]:
+def orchestrator_overrides(
+    run: Path, port: int, replicas: int, steps: int, batch: int, workers: int, env: str = "reverse_text"
+) -> list[str]:
     return [
         "+experiment=reverse_text",
+        f"env={env}",
         "sft.enabled=false",
         "eval.every=0",
         "ledger.enabled=false",
@@ -64,21 +68,22 @@ def orchestrator_overrides(run: Path, port: int, replicas: int, steps: int, batc
     ]
 
 
-def cpu_seconds(process: psutil.Process) -> float:
-    """CPU seconds of `process` and its living descendants (env workers), user and system."""
-    total = 0.0
+def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
+    """CPU seconds (user and system) of `process` itself and of its living descendants (env workers)."""
+    seconds = []
     for p in [process, *process.children(recursive=True)]:
         try:
             times = p.cpu_times()
-            total += times.user + times.system
+            seconds.append(times.user + times.system)
         except psutil.NoSuchProcess:
-            pass
-    return total
+            seconds.append(0.0)
+    return seconds[0], sum(seconds[1:])
 
 
-def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout_s: float = 600) -> float:
+def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout_s: float = 600) -> tuple[float, float]:
     """Run the orchestrator to `steps` batches, publishing policy n+1 once batch n exists (an empty STABLE weights
-    directory: the stand-ins load nothing). Returns its CPU seconds from batch 0 to the last batch."""
+    directory: the stand-ins load nothing). Returns the CPU seconds of its own process and of its env workers from
+    batch 0 to the last batch."""
     log = open(run / "orchestrator-stdout.log", "wb")
     cmd = [*pinned(core), sys.executable, "-m", "primerl.orchestrator", *overrides]
     orchestrator = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -99,17 +104,19 @@ def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout
         if orchestrator.poll() is None:
             orchestrator.kill()
         log.close()
-    return cpu_at[steps - 1] - cpu_at[0]
+    (main_end, workers_end), (main_start, workers_start) = cpu_at[steps - 1], cpu_at[0]
+    return main_end - main_start, workers_end - workers_start
 
 
-def measure(run: Path, steps: int, cpu_s: float) -> dict[str, float]:
+def measure(run: Path, cpu_s: tuple[float, float]) -> dict[str, float]:
     """Figures over batches 1..steps-1 (batch 0 includes the start)."""
     rows = read_metrics(run, ORCHESTRATOR)[1:]
     seconds = rows[-1]["time"] - read_metrics(run, ORCHESTRATOR)[0]["time"]
     rollouts = sum(r[OrchestratorMetric.ROLLOUTS_OK] + r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows)
     return {
         "rollouts_per_s": rollouts / seconds,
-        "cpu_ms_per_rollout": 1000 * cpu_s / rollouts,
+        "orchestrator_cpu_ms_per_rollout": 1000 * cpu_s[0] / rollouts,
+        "workers_cpu_ms_per_rollout": 1000 * cpu_s[1] / rollouts,
         "failed": sum(r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows),
         "inflight": statistics.median(r[OrchestratorMetric.INFLIGHT] for r in rows),
         "loop_lag_max_ms": 1000 * max(r[OrchestratorMetric.LOOP_LAG_MAX] for r in rows),
@@ -117,16 +124,17 @@ def measure(run: Path, steps: int, cpu_s: float) -> dict[str, float]:
     }
 
 
-def one_run(root: Path, replicas: int, workers: int, steps: int, batch: int, latency: list[str]) -> dict[str, float]:
+def one_run(root: Path, args: argparse.Namespace, workers: int) -> dict[str, float]:
     run = Path(tempfile.mkdtemp(prefix=f"w{workers}-", dir=root))
     port = free_port()
-    servers = start_standins(run, port, replicas, 1, *latency)
+    servers = start_standins(run, port, args.replicas, 1, "--tokens", str(args.tokens))
     try:
-        cpu_s = drive(run, orchestrator_overrides(run, port, replicas, steps, batch, workers), steps, 0)
+        overrides = orchestrator_overrides(run, port, args.replicas, args.steps, args.batch, workers, args.env)
+        cpu_s = drive(run, overrides, args.steps, 0)
     finally:
         servers.terminate()
         servers.wait(timeout=30)
-    return measure(run, steps, cpu_s)
+    return measure(run, cpu_s)
 
 
 def spread(values: list[float]) -> str:
@@ -141,13 +149,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="rollouts per batch (orchestrator.batch_size)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens per rollout")
+    parser.add_argument("--env", default="reverse_text", help="the env group (guess_number: multi-turn)")
     args = parser.parse_args()
-    latency = ["--tokens", str(args.tokens)]
     results: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
     with tempfile.TemporaryDirectory(prefix="capacity-") as root:
         for round_ in range(args.rounds):
             for workers in args.workers:
-                figures = one_run(Path(root), args.replicas, workers, args.steps, args.batch, latency)
+                figures = one_run(Path(root), args, workers)
                 results[workers].append(figures)
                 shown = ", ".join(f"{k} {v:.3g}" for k, v in figures.items())
                 print(f"round {round_} env.workers={workers}: {shown}", flush=True)
