@@ -126,7 +126,7 @@ def measure(run: Path, cpu_s: tuple[float, float]) -> dict[str, float]:
 
 def one_run(root: Path, args: argparse.Namespace, workers: int) -> dict[str, float]:
     run = Path(tempfile.mkdtemp(prefix=f"w{workers}-", dir=root))
-    port = free_port()
+    port = free_port(count=args.replicas)
     servers = start_standins(run, port, args.replicas, 1, "--tokens", str(args.tokens))
     try:
         overrides = orchestrator_overrides(run, port, args.replicas, args.steps, args.batch, workers, args.env)

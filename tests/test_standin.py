@@ -10,7 +10,7 @@ from primerl.utils.process import free_port
 
 
 def test_the_orchestrator_runs_against_stand_in_servers(cache_dir, tmp_path):
-    run, port, steps = tmp_path / "run", free_port(), 4
+    run, port, steps = tmp_path / "run", free_port(count=2), 4
     run.mkdir()
     servers = start_standins(run, port, 2, None, "--tokens", "6")
     try:
