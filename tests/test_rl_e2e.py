@@ -406,7 +406,7 @@ def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_
     loopback; what was produced stays, in the run directory and in its W&B record (ledger=wandb, offline). The same
     command again (lock-step, seeded requests) makes the same batches and the same trainer step, to the bit."""
     run = tmp_path / "interrupted"
-    lock_step = ("orchestrator.async_level=0", "orchestrator.drain_per_step=true")
+    lock_step = ("orchestrator.async_level=0", "orchestrator.drain_per_step=true", "orchestrator.seed_requests=true")
     overrides = (f"inference.port={free_port()}", "ledger=wandb", "ledger.wandb.mode=offline", *lock_step)
     with _run_until_trainer_step(run, 2, *overrides) as train:
         opened = _listening(_descendants(train.pid))  # vLLM and its engine, the interception server, the trainer

