@@ -8,8 +8,8 @@ n+1 as soon as batch n is written (a weight update per batch).
 The orchestrator runs on core 0 and the stand-ins on core 1 (taskset), so the figures are the orchestrator's own.
 Env workers are the orchestrator's children, so they share its core. Per setting: the sustained rollouts/s
 (rollouts finished between the first and the last batch, over that time), the CPU ms per rollout of the
-orchestrator's own process and of its env workers (psutil), the rollouts in flight at the cuts, the event-loop lag
-and the median weight-load pause. Rounds alternate the settings; medians and ranges.
+orchestrator's own process and of its env workers (psutil), the rollouts failed, cancelled and rerouted (none
+expected), the rollouts in flight at the cuts, the event-loop lag and the median weight-load pause. Rounds alternate the settings; medians and ranges.
 """
 
 import argparse
@@ -118,6 +118,8 @@ def measure(run: Path, cpu_s: tuple[float, float]) -> dict[str, float]:
         "orchestrator_cpu_ms_per_rollout": 1000 * cpu_s[0] / rollouts,
         "workers_cpu_ms_per_rollout": 1000 * cpu_s[1] / rollouts,
         "failed": sum(r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows),
+        "cancelled": sum(r.get(OrchestratorMetric.ROLLOUTS_CANCELLED) or 0 for r in rows),
+        "rerouted": sum(r.get(OrchestratorMetric.ROLLOUTS_REROUTED) or 0 for r in rows),
         "inflight": statistics.median(r[OrchestratorMetric.INFLIGHT] for r in rows),
         "loop_lag_max_ms": 1000 * max(r[OrchestratorMetric.LOOP_LAG_MAX] for r in rows),
         "weight_load_ms": 1000 * statistics.median(r[OrchestratorMetric.WEIGHT_LOAD_S] for r in rows),
