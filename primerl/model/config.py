@@ -35,6 +35,26 @@ class TinyArchConfig:
     tool_call_tokens: bool = False
 
 
+# every projection of a Qwen3 / Llama decoder layer: attention and MLP (not the MoE experts, which transformers fuses
+# into 3-D parameters that LoRA layers do not wrap)
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (peft's LoRA) on `target_modules`; only they train, the base weights stay frozen, and each
+    RL step publishes the adapter alone (primerl.model.adapter). rank 0: off, every weight trains."""
+
+    rank: int = bounded(0, ge=0, le=512)
+    alpha: float = bounded(16.0, gt=0)  # the update is B @ A * alpha / rank
+    dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapter's input, in training only (vLLM serves without it)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -44,3 +64,4 @@ class ModelConfig:
     init_seed: int = 0
     dtype: str = "float32"
     arch: TinyArchConfig = field(default_factory=TinyArchConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)

@@ -3,17 +3,25 @@
 Every process asks this module, so inference serves, the orchestrator tokenizes for and the trainer trains the same
 start weights. Whether SFT applies is a pure function of the config (`sft_applies`), decided identically in the
 driver, before any process starts, and in every process it starts.
+
+With LoRA (`model.lora.rank` > 0) a run starts from the base model plus its start adapter, policy version 0, at
+`weights_path(run, 0)`: the adapter SFT trained when SFT applies (SFT with LoRA trains an adapter), else the seeded
+one of primerl.model.adapter. Version 0 is never dropped, so a restarted server can always be started with it.
 """
 
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
+from primerl.model.adapter import write_start_adapter
 from primerl.model.resolve import base_model_ref, prepare_base_model
+from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable
+from primerl.transport.run_dir import weights_path
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:
@@ -38,6 +46,8 @@ def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     settings = asdict(cfg.sft) | {"save_every": None}
     data = settings.pop("data")
     key_parts = [base_model_ref(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
+    if cfg.model.lora.enabled:  # an adapter, not a model; left out without LoRA so older keys stay valid
+        key_parts.append({"lora": asdict(cfg.model.lora)})
     if data:
         key_parts.append(data_digest(data))
     elif demonstrations_version(cfg.env.id) > 1:  # version 1 is left out: keys made before versions stay valid
@@ -60,6 +70,25 @@ def data_digest(data: str) -> str:
 
 
 def prepare_start_model(cfg: RunConfig) -> str:
-    """The weights RL starts from: the SFT checkpoint when SFT applies (trained before, by primerl.sft), else the base
-    model (the tiny model built here on first use)."""
-    return str(sft_checkpoint_dir(cfg)) if sft_applies(cfg) else prepare_base_model(cfg)
+    """The model RL starts from: the SFT checkpoint when SFT applies (trained before, by primerl.sft), else the base
+    model (the tiny model built here on first use). With LoRA, always the base model (`prepare_start_adapter`)."""
+    if sft_applies(cfg) and not cfg.model.lora.enabled:
+        return str(sft_checkpoint_dir(cfg))
+    return prepare_base_model(cfg)
+
+
+def prepare_start_adapter(cfg: RunConfig) -> Path | None:
+    """With LoRA, the run's policy version 0 (module docstring), written on first use; None without LoRA."""
+    if not cfg.model.lora.enabled:
+        return None
+    target = weights_path(cfg.output_dir, 0)
+    if is_stable(target):
+        return target
+    base = prepare_base_model(cfg)
+    if not sft_applies(cfg):
+        return write_start_adapter(base, cfg.model.lora, cfg.seed, target)
+    with atomic_dir(target, replace=False) as staging:  # the SFT adapter, copied: the run owns its version 0
+        for file in sft_checkpoint_dir(cfg).iterdir():
+            if file.is_file() and file.name != STABLE_MARKER:
+                shutil.copy2(file, staging / file.name)
+    return target

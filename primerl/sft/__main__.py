@@ -3,8 +3,9 @@
 Trains on demonstrations (the env's own, primerl.envs.demonstrations, or a user's chat dataset `sft.data=FILE.jsonl`)
 with loss on assistant tokens only, packed rows, on the same trainer as RL (primerl.trainer.trainer). The loss is
 normalised by the number of assistant tokens in the global batch, so 1 rank and N ranks compute the same loss and
-gradients. Writes an HF checkpoint to `sft_checkpoint_dir(cfg)` (reused when it already exists) and
-`sft_metrics.json` to the output folder.
+gradients. Writes an HF checkpoint to `sft_checkpoint_dir(cfg)` (reused when it already exists; with LoRA,
+`model.lora.rank` > 0, an adapter in peft's format that RL then starts from) and `sft_metrics.json` to the output
+folder.
 """
 
 import time
@@ -27,6 +28,7 @@ from primerl.trainer.config import OptimConfig
 from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.lr_schedule import warmup_cosine
+from primerl.trainer.model_load import AdapterSpec
 from primerl.trainer.trainer import MicroBatch, Trainer
 from primerl.transport.atomic import is_stable, write_json
 from primerl.transport.run_dir import sft_metrics_path
@@ -59,7 +61,8 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     s = cfg.sft
     optim = OptimConfig(lr=s.lr, weight_decay=s.weight_decay, betas=list(s.betas), max_grad_norm=s.max_grad_norm)
     torch.manual_seed(cfg.seed)
-    return Trainer.build(base, info, optim, cfg.trainer, export_dtype=cfg.model.dtype)
+    adapter = AdapterSpec(cfg.model.lora, seed=cfg.seed) if cfg.model.lora.enabled else None
+    return Trainer.build(base, info, optim, cfg.trainer, export_dtype=cfg.model.dtype, adapter=adapter)
 
 
 def sft_step(trainer: Trainer, tokenizer, conversations: list, s: SftConfig, step: int) -> tuple[float, float]:

@@ -23,13 +23,14 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
-from primerl.model.start import prepare_start_model
+from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_checkpointer
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
 from primerl.trainer.lr_schedule import scheduled_lr
+from primerl.trainer.model_load import AdapterSpec
 from primerl.trainer.trainer import MicroBatch, Trainer
 from primerl.transport.atomic import is_stable
 from primerl.transport.batches import RolloutBatch, read_rollout_batch
@@ -153,9 +154,14 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     run_dir, tcfg, cp = Path(cfg.output_dir), cfg.trainer, cfg.parallelism.cp
     dp = resolve_dp_shard(cfg, info.world_size)
     base = main_rank_first(info, lambda: prepare_start_model(cfg))
+    adapter = None
+    if cfg.model.lora.enabled:  # version 0 is the start adapter, which the servers start with too
+        adapter = AdapterSpec(cfg.model.lora, main_rank_first(info, lambda: prepare_start_adapter(cfg)))
     torch.manual_seed(cfg.seed)
     reference = tcfg.loss.needs_reference
-    trainer = Trainer.build(base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype, reference)
+    trainer = Trainer.build(
+        base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype, reference, adapter=adapter
+    )
     start, logged = resume(trainer, run_dir)
     with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
         for step in range(start, last_step(tcfg)):  # the last checkpoint is STABLE before the `with` ends

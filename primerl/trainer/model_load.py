@@ -23,6 +23,7 @@ Two ways to fill the shards, chosen by the checkpoint's tensor names (read from 
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from primerl.model.adapter import add_adapters, base_param_name, is_adapter_param, peft_key, start_value
+from primerl.model.config import LoraConfig
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import DistInfo, data_mesh, mixed_precision, shard_model
@@ -147,9 +150,10 @@ def plan_reads(state: dict[str, torch.Tensor], stored: StoredTensors) -> list | 
 
 
 def load_weights(model: nn.Module, base: str | Path, info: DistInfo) -> str:
-    """Collective: fill the materialised, sharded `model` with the weights at `base` (module docstring). Returns how:
-    "sharded read" or "rank 0 read and scattered"."""
-    state = get_model_state_dict(model)
+    """Collective: fill the materialised, sharded `model` with the weights at `base` (module docstring); a LoRA
+    layer's wrapped weight (`base_layer.weight`) from the base's own name, adapters left out (`load_adapters`).
+    Returns how: "sharded read" or "rank 0 read and scattered"."""
+    state = {base_param_name(k): v for k, v in get_model_state_dict(model).items() if not is_adapter_param(k)}
     reads = plan_reads(state, StoredTensors(base))
     if reads is not None:
         with torch.no_grad():
@@ -160,8 +164,44 @@ def load_weights(model: nn.Module, base: str | Path, info: DistInfo) -> str:
     full = {}
     if info.is_main:
         full = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        wrapped = {base_param_name(k): k for k in get_model_state_dict(model) if ".base_layer." in k}
+        full = {wrapped.get(k, k): v for k, v in full.items()}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not has_adapters(model))
+    set_model_state_dict(model, full, options=options)
     return "rank 0 read and scattered"
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(is_adapter_param(name) for name, _ in model.named_parameters())
+
+
+def load_adapters(model: nn.Module, adapter: str | Path | None, seed: int) -> None:
+    """Fill this rank's shards of the adapter parameters: from the peft directory `adapter`, or, with None, with the
+    seeded start values (primerl.model.adapter.start_value), drawn whole and cut to this rank's part."""
+    stored = StoredTensors(adapter) if adapter is not None else None
+    with torch.no_grad():
+        for name, value in get_model_state_dict(model).items():
+            if not is_adapter_param(name):
+                continue
+            local, part = local_part(value)
+            if stored is None:
+                local.copy_(start_value(name, value.shape, seed)[part])
+            elif peft_key(name) in stored:
+                local.copy_(stored.read(peft_key(name), part))
+            else:
+                raise ValueError(
+                    f"the adapter {adapter} has no {peft_key(name)}: trained with other model.lora settings?"
+                )
+
+
+@dataclass
+class AdapterSpec:
+    """LoRA for the trainer's model: its settings, the peft directory to start from (None: the seeded start) and the
+    seed of that start."""
+
+    lora: LoraConfig
+    start: str | Path | None = None
+    seed: int = 0
 
 
 def sharded_model(
@@ -171,14 +211,18 @@ def sharded_model(
     context: ContextParallel | None,
     ep: int,
     frozen: bool = False,
+    adapter: AdapterSpec | None = None,
 ) -> tuple[nn.Module, set[nn.Parameter]]:
-    """The model at `base` as the trainer runs it: a `ScoresHead` in place of its lm_head, each decoder layer's
-    activations checkpointed when asked, CP's attention, EP and FSDP2 over every rank (mixed precision per
-    `compute.precision`), this rank's shards read from `base`. Returns it and its expert parameters (EP). `frozen`:
-    no gradients, eval mode, no checkpointing (a reference policy)."""
+    """The model at `base` as the trainer runs it: a `ScoresHead` in place of its lm_head, LoRA adapters when asked
+    (only they train), each decoder layer's activations checkpointed when asked, CP's attention, EP and FSDP2 over
+    every rank (mixed precision per `compute.precision`), this rank's shards read from `base`. Returns it and its
+    expert parameters (EP). `frozen`: no gradients, eval mode, no checkpointing (a reference policy)."""
     model = empty_model(base, compute.attention)
     model.train(not frozen)
     model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
+    if adapter is not None:
+        with parameters_on_meta():
+            add_adapters(model, adapter.lora, base)
     if compute.activation_checkpointing and not frozen:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if context:
@@ -187,6 +231,9 @@ def sharded_model(
     expert_params = shard_model(model, mesh, ep, mixed_precision(compute.precision, info.device))
     materialize(model, info.device)
     how = load_weights(model, base, info)
+    if adapter is not None:
+        load_adapters(model, adapter.start, adapter.seed)
+        how += f", LoRA rank {adapter.lora.rank} from {adapter.start or f'the seeded start (seed {adapter.seed})'}"
     if frozen:
         model.requires_grad_(False)
     if info.is_main:

@@ -25,13 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from primerl.model.adapter import is_adapter_param, save_adapter
+from primerl.model.config import LoraConfig
 from primerl.trainer.checkpoint import load_checkpoint
 from primerl.trainer.config import OptimConfig, TrainerConfig
 from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import DistInfo, all_reduce_sums
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
-from primerl.trainer.model_load import sharded_model
+from primerl.trainer.model_load import AdapterSpec, sharded_model
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
 from primerl.utils.failpoints import failpoint
@@ -72,6 +74,7 @@ class Trainer:
         self.skipped_in_a_row = 0
         self.export_dtype = torch.float32
         self.reference: torch.nn.Module | None = None
+        self.lora: LoraConfig | None = None
 
     @classmethod
     def build(
@@ -84,6 +87,7 @@ class Trainer:
         ep: int = 1,
         export_dtype: str = "float32",
         reference: bool = False,
+        adapter: AdapterSpec | None = None,
     ) -> "Trainer":
         """Build the HF model at `base` in fp32 with empty parameters (primerl.trainer.model_load), put a
         `ScoresHead` in place of its lm_head, checkpoint each decoder layer's activations when asked, enable CP over
@@ -93,16 +97,17 @@ class Trainer:
         writes (the served model's). `compute`: the trainer's precision, scoring chunk, activation checkpointing and
         non-finite policy (the rest of it is the RL loop's). `reference`: also keep a frozen copy of `base`, sharded
         the same way (no gradients, no optimizer state), whose log-probs each step's scores carry (the reference KL
-        of primerl.trainer.loss)."""
+        of primerl.trainer.loss). `adapter`: LoRA; only the adapters train (AdamW holds state for them alone) and
+        `export` writes the adapter alone; the reference is the base model."""
         context = ContextParallel(info.rank, info.world_size, cp) if cp > 1 else None
-        model, expert_params = sharded_model(base, info, compute, context, ep)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
-        )
+        model, expert_params = sharded_model(base, info, compute, context, ep, adapter=adapter)
+        trained = [param for param in model.parameters() if param.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
         trainer = cls(
             model, optimizer, info, base, optim.max_grad_norm, compute.max_nonfinite_steps, context, expert_params
         )
         trainer.export_dtype = getattr(torch, export_dtype)
+        trainer.lora = adapter.lora if adapter is not None else None
         if reference:
             trainer.reference, _ = sharded_model(base, info, compute, context, ep, frozen=True)
         return trainer
@@ -191,9 +196,12 @@ class Trainer:
         return load_checkpoint(self.model, self.optimizer, path)
 
     def export(self, out_dir: str | Path) -> None:
-        """Collective: write the full weights as an HF directory (with the base model's config and tokenizer),
-        atomically and STABLE-marked, from rank 0."""
-        state = full_state_dict(self.model)
-        if self.info.is_main:
+        """Collective: write the full weights as an HF directory (with the base model's config and tokenizer), or
+        with LoRA the adapter alone in peft's format (only the adapters are gathered), atomically and STABLE-marked,
+        from rank 0."""
+        state = full_state_dict(self.model, trained_only=self.lora is not None)
+        if self.info.is_main and self.lora is not None:
+            save_adapter({k: v for k, v in state.items() if is_adapter_param(k)}, self.lora, self.base, out_dir)
+        elif self.info.is_main:
             save_hf_checkpoint({k: v.to(self.export_dtype) for k, v in state.items()}, self.base, out_dir)
         dist.barrier()

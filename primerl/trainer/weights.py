@@ -21,9 +21,11 @@ _COPIED_FILES = (
 )
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gather the full, unsharded state dict onto rank 0's CPU (a collective: every rank calls it)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: torch.nn.Module, trained_only: bool = False) -> dict[str, torch.Tensor]:
+    """Gather the full, unsharded state dict onto rank 0's CPU (a collective: every rank calls it). `trained_only`:
+    only the parameters that train (LoRA: the adapters; nothing of the frozen base is gathered)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trained_only)
+    return get_model_state_dict(model, options=options)
 
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -55,10 +55,14 @@ def shared_staging_path(target: str | Path) -> Path:
 
 
 @contextmanager
-def atomic_dir(target: str | Path, mark_stable: bool = True, shared: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    target: str | Path, mark_stable: bool = True, shared: bool = False, replace: bool = True
+) -> Iterator[Path]:
     """Yields an empty staging directory beside `target`; if the block ends without error it is marked STABLE (when
     `mark_stable`) and renamed over `target` (an older `target` is removed first). `shared`: the staging directory
-    is `shared_staging_path(target)`, for other processes to write into while the block runs."""
+    is `shared_staging_path(target)`, for other processes to write into while the block runs. `replace=False`: a
+    `target` that exists, or that another process renames into place first, is kept and the staging dropped (for
+    content every writer computes alike)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     if shared:
@@ -76,8 +80,15 @@ def atomic_dir(target: str | Path, mark_stable: bool = True, shared: bool = Fals
                 _fsync(Path(folder, name))
             _fsync(folder)
         if target.exists():
+            if not replace:
+                return
             shutil.rmtree(target)
-        os.rename(staging, target)
+        try:
+            os.rename(staging, target)
+        except OSError as err:  # ENOTEMPTY / EEXIST: another writer's rename came first
+            if replace or err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            return
         _fsync(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -2,7 +2,9 @@
 
 The inference server loads weights by path (primerl.inference.worker_extension), and only from below the run's own
 weights directory, which it is told through `WEIGHTS_DIR_ENV`. Clients name the policy `SERVED_MODEL_NAME`, not a
-path that changes with every version. This module imports no torch: vLLM's workers import it.
+path that changes with every version. With LoRA (`model.lora.rank` > 0) a version is a peft adapter directory
+(`is_adapter`); the server then serves the base model as `ADAPTER_BASE_NAME` and the adapter as `SERVED_MODEL_NAME`,
+so clients name the policy the same way either way. This module imports no torch: vLLM's workers import it.
 """
 
 import shutil
@@ -12,7 +14,14 @@ from primerl.transport.atomic import latest_stable
 from primerl.transport.run_dir import weights_path, weights_root
 
 SERVED_MODEL_NAME = "policy"
+ADAPTER_BASE_NAME = "policy-base"  # the base model's name on a server whose policy is an adapter
 WEIGHTS_DIR_ENV = "PRIMERL_WEIGHTS_DIR"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's: marks a directory as an adapter, not a whole model
+
+
+def is_adapter(path: str | Path) -> bool:
+    """Whether the weights directory at `path` holds a LoRA adapter (peft's format) rather than full weights."""
+    return (Path(path) / ADAPTER_CONFIG_FILE).is_file()
 
 
 def latest_stable_version(run_dir: str | Path) -> int | None:
