@@ -1,7 +1,7 @@
 """`python -m primerl.inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
 
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
-else the base model. Prints the base URL once ready. `inference.replicas` servers start side by side.
+else the base model; with LoRA, the base model and the run's start adapter (primerl.model.start). Prints the base URL once ready. `inference.replicas` servers start side by side.
 
 A server that exits while serving (a crash, an OOM kill) is started again (the pool policy of primerl.utils.pool);
 the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
@@ -26,7 +26,7 @@ from primerl.inference.server import (
     render_specs,
     resolve_device,
 )
-from primerl.model.start import prepare_start_model
+from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.transport.run_dir import log_path, scratch_prefix
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
@@ -77,7 +77,7 @@ def main(dict_cfg: DictConfig) -> None:
             "`python -m primerl.sft` with the same config first, or set sft.enabled=false",
         )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
-    specs = render_specs(cfg, model_path, device)
+    specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
     if node is None and not cfg.inference.pd.enabled:  # locally, each replica on its own GPU (primerl.config.gpus)
         gpus = plan_gpus(cfg.launcher, cfg.inference, visible_gpus())
         for replica, spec in enumerate(specs):

@@ -88,6 +88,10 @@ OWNED_VLLM_FLAGS = {
     "--kv-cache-dtype": "inference.kv_cache_dtype",
     "--gpu-memory-utilization": "inference.gpu_memory_utilization",
     "--kv-transfer-config": "inference.pd",
+    "--enable-lora": "model.lora",
+    "--max-lora-rank": "model.lora.rank",
+    "--max-loras": "model.lora",
+    "--lora-modules": "model.lora",
 }
 
 

@@ -14,15 +14,20 @@ with a key those admin routes answered anyone who reached the port (seen on a re
 4. refuses what a web page in a browser on the machine could send: a request with an `Origin` header (browsers add
    it to cross-site requests; primerl's clients never send one), and, on a server without a key, a `Host` other than
    a loopback name (DNS rebinding);
-5. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
+5. lets `/v1/load_lora_adapter` (LoRA runs) load only a STABLE adapter from below the run's weights directory, as the
+   worker extension does for full weights, and answers 404 to `/v1/unload_lora_adapter`;
+6. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
 """
 
 import hashlib
 import json
 import os
 import secrets
+from pathlib import Path
 
+from primerl.transport.atomic import STABLE_MARKER
 from primerl.transport.identity import SERVER_ID_ENV, SERVER_ID_HEADER
+from primerl.transport.weights import WEIGHTS_DIR_ENV, inside
 
 API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
 OPEN_PATHS = frozenset({"/health"})  # load balancers and the launcher probe it without a key
@@ -43,11 +48,25 @@ ALLOWED_PATHS = frozenset(
 ALLOWED_PREFIXES = ("/v1/", "/inference/v1/")
 RPC_PATH = "/collective_rpc"
 RPC_METHOD_PREFIX = "primerl_"  # primerl.inference.worker_extension
+ADAPTER_LOAD_PATH = "/v1/load_lora_adapter"
+CLOSED_PATHS = frozenset({"/v1/unload_lora_adapter"})  # under an allowed prefix, but primerl never calls them
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", ""})  # "": an HTTP/1.0 request without Host
 
 
 def route_allowed(path: str) -> bool:
-    return path in ALLOWED_PATHS or path.startswith(ALLOWED_PREFIXES)
+    return path not in CLOSED_PATHS and (path in ALLOWED_PATHS or path.startswith(ALLOWED_PREFIXES))
+
+
+def adapter_refusal(request: object) -> str | None:
+    """Why a `/v1/load_lora_adapter` body may not be loaded, or None: its `lora_path` must be a STABLE directory
+    below the run's weights directory (`WEIGHTS_DIR_ENV`)."""
+    root = os.environ.get(WEIGHTS_DIR_ENV)
+    path = request.get("lora_path") if isinstance(request, dict) else None
+    if not root or not isinstance(path, str) or not inside(path, root):
+        return f"adapters load only from below the run's weights directory ({root})"
+    if not (Path(path) / STABLE_MARKER).is_file():
+        return f"{path} is not a stable weights directory (no {STABLE_MARKER} marker)"
+    return None
 
 
 async def read_body(receive) -> bytes:
@@ -142,5 +161,14 @@ class InferenceGuard:
                 method = None
             if not (isinstance(method, str) and method.startswith(RPC_METHOD_PREFIX)):
                 return await reply(scope, send, 403, f"only {RPC_METHOD_PREFIX}* methods may be called")
+            receive = replay(body, receive)
+        elif path == ADAPTER_LOAD_PATH and scope["type"] == "http":
+            body = await read_body(receive)
+            try:
+                refusal = adapter_refusal(json.loads(body))
+            except ValueError:
+                refusal = "the body is not JSON"
+            if refusal is not None:
+                return await reply(scope, send, 403, refusal)
             receive = replay(body, receive)
         return await self.app(scope, receive, send)

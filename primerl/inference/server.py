@@ -24,7 +24,7 @@ from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, served_by, server_identity
 from primerl.transport.run_dir import weights_root
-from primerl.transport.weights import SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
+from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
 from primerl.utils.errors import ConfigError
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import port_taken, stop_process_groups
@@ -77,15 +77,35 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
 
-def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpec]:
+# vLLM's allowed --max-lora-rank values (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(adapter: str | Path, rank: int) -> list[str]:
+    """Serve the adapter at `adapter` as the policy (`SERVED_MODEL_NAME`) over the base model, and let it be loaded
+    again in place (primerl.orchestrator.inference_client); one adapter at a time."""
+    max_rank = next(r for r in VLLM_LORA_RANKS if r >= rank)
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_rank),
+        "--max-loras",
+        "1",
+        "--lora-modules",
+        f"{SERVED_MODEL_NAME}={adapter}",
+    ]
+
+
+def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None = None) -> list[ServerSpec]:
     """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or a
-    prefill and a decode server (PD)."""
+    prefill and a decode server (PD). `adapter`: a LoRA adapter directory served as the policy over `model_path`
+    (primerl.transport.weights)."""
     inf = cfg.inference
     args = [
         "--model",
         model_path,
         "--served-model-name",
-        SERVED_MODEL_NAME,
+        SERVED_MODEL_NAME if adapter is None else ADAPTER_BASE_NAME,
         "--host",
         inf.host,
         "--max-model-len",
@@ -122,6 +142,8 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
         # set_offset, which CPU generators lack, and its engine dies ("CPU Generator does not use offset",
         # vllm/v1/worker/gpu_model_runner.py _bookkeeping_sync). Whole prefills never rewind.
         args.append("--no-enable-chunked-prefill")
+    if adapter is not None:
+        args += lora_args(adapter, cfg.model.lora.rank)
     args += list(inf.extra_args)
     env = {
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
@@ -131,6 +153,8 @@ def render_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpe
     }
     if inf.api_key:
         env[API_KEY_ENV] = inf.api_key
+    if adapter is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter (primerl.inference.guard checks it)
     if device == "cpu":
         env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
         if inf.cpu_idle_spin_s is not None:

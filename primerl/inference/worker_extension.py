@@ -13,7 +13,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from primerl.transport.atomic import STABLE_MARKER
-from primerl.transport.weights import WEIGHTS_DIR_ENV, inside
+from primerl.transport.weights import WEIGHTS_DIR_ENV, inside, is_adapter
 
 log = logging.getLogger(__name__)
 IDLE_SPIN_ENV = "PRIMERL_VLLM_IDLE_SPIN_S"  # set by primerl.inference.server from inference.cpu_idle_spin_s
@@ -59,6 +59,11 @@ class PrimerlWorkerExtension:
         if not (folder / STABLE_MARKER).exists():
             raise ValueError(f"{folder} is not a stable weight directory (no {STABLE_MARKER} marker)")
         version_number = int(version)  # a bad version fails here, before any weight is touched
+        if is_adapter(folder):
+            # a LoRA policy: the engine's LoRA manager has loaded the adapter (/v1/load_lora_adapter, which the
+            # guard holds to the same directory rules); the workers record the version it is
+            self.primerl_policy_version = version_number
+            return str(self.primerl_policy_version)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder} holds no .safetensors files")

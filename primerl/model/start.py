@@ -22,6 +22,7 @@ from primerl.model.adapter import write_start_adapter
 from primerl.model.resolve import base_model_ref, prepare_base_model
 from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable
 from primerl.transport.run_dir import weights_path
+from primerl.utils.errors import ConfigError
 
 
 def sft_data_source(cfg: RunConfig) -> str | None:
@@ -87,8 +88,15 @@ def prepare_start_adapter(cfg: RunConfig) -> Path | None:
     base = prepare_base_model(cfg)
     if not sft_applies(cfg):
         return write_start_adapter(base, cfg.model.lora, cfg.seed, target)
+    trained = sft_checkpoint_dir(cfg)
+    if not is_stable(trained):
+        raise ConfigError(
+            "sft.enabled",
+            f"the SFT adapter {trained} does not exist yet; run `python -m primerl.sft` with the same "
+            "config first, or set sft.enabled=false",
+        )
     with atomic_dir(target, replace=False) as staging:  # the SFT adapter, copied: the run owns its version 0
-        for file in sft_checkpoint_dir(cfg).iterdir():
+        for file in trained.iterdir():
             if file.is_file() and file.name != STABLE_MARKER:
                 shutil.copy2(file, staging / file.name)
     return target

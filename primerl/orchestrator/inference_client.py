@@ -7,6 +7,9 @@ All calls are async (httpx) and carry the server's key. A weight update does not
     POST /collective_rpc    primerl_load_weights(path, version) on every worker (reload in place)
     POST /resume            frozen requests continue on the new weights; new requests are scheduled again
 
+A LoRA policy (an adapter directory) is loaded between the same pause and resume by `/v1/load_lora_adapter`, in
+place under the served name, and `primerl_load_weights` then records its version in the workers.
+
 A request that was running across the update continues with KV computed by the old weights (its sample records both
 versions). A request that arrives after the pause never touches KV from older weights: the server's cache-salt
 middleware (primerl.inference.cache_salt) salts every request with the number of pauses so far.
@@ -20,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from primerl.transport.identity import served_by
+from primerl.transport.weights import SERVED_MODEL_NAME, is_adapter
 from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until_async
 
@@ -105,10 +109,20 @@ class InferenceClient:
         # clear_cache=false: vLLM's default would preempt every running request and recompute its KV after resume
         (await self.http.post("/pause", params={"mode": "keep", "clear_cache": "false"})).raise_for_status()
         try:
+            if is_adapter(path):
+                await self._load_adapter(path)
             await self._rpc("primerl_load_weights", str(path), str(version))
         finally:
             (await self.http.post("/resume")).raise_for_status()
         return time.perf_counter() - started
+
+    async def _load_adapter(self, path: str | Path) -> None:
+        body = {"lora_name": SERVED_MODEL_NAME, "lora_path": str(path), "load_inplace": True}
+        r = await self.http.post("/v1/load_lora_adapter", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(
+                f"loading the adapter {path} failed on {self.base_url} ({r.status_code}): {r.text[:500]}"
+            )
 
     async def running_requests(self) -> float | None:
         """vLLM's `num_requests_running` gauge (None when unreadable)."""
