@@ -230,3 +230,30 @@ def _load_across_a_long_request(urls: list[str], prompt: list[int], adapter, ver
             return await long
 
     return asyncio.run(go())
+
+
+def test_a_merged_adapter_computes_what_base_plus_adapter_computes(cache_dir, tmp_path):
+    """sft.lora=merged writes W + B @ A * alpha / rank under the base names: transformers on the merged weights
+    scores as peft on base + adapter does."""
+    from primerl.model.adapter import merge_adapters
+
+    base = build_tiny_model(str(cache_dir), TinyArchConfig(), init_seed=0)
+    lora = LoraConfig(rank=4, alpha=8.0)
+    start = write_start_adapter(base, lora, 0, tmp_path / "start")
+    adapter = _perturbed_adapter(start, lora, base, tmp_path / "moved", seed=1)
+    with safe_open(str(adapter / ADAPTER_FILE), "pt") as f:
+        tensors = {
+            key.removeprefix(PEFT_PREFIX).replace(".weight", f".{PEFT_ADAPTER}.weight"): f.get_tensor(key)
+            for key in f.keys()
+        }
+    plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    state = plain.state_dict()
+    wrapped = {name.removesuffix("weight") + "base_layer.weight": name for name in state if "_proj." in name}
+    state = {next((w for w, n in wrapped.items() if n == k), k): v for k, v in state.items()} | tensors
+    merged = merge_adapters(state, lora)
+    assert set(merged) == set(plain.state_dict()) and not any(".lora_" in k for k in merged)
+    plain.load_state_dict(merged)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = torch.log_softmax(plain(input_ids=ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert torch.allclose(ours, peft_logprobs(base, adapter, ids), atol=1e-5)

@@ -442,3 +442,47 @@ def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("primerl: config error: env.id: no installed verifiers environment")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores_them(cache_dir, tmp_path):
+    """`model.lora.rank=8`: SFT trains an adapter (`sft.lora=adapter`), which is the run's policy v0; the servers start
+    with it over the base model; each step publishes the adapter alone and the replica loads it in place; step 0's
+    mismatch KL is the full-weight run's; `primerl eval eval.run=RUN` serves the last adapter over its base."""
+    from safetensors.torch import load_file
+
+    from primerl.model.adapter import ADAPTER_FILE
+    from primerl.model.start import sft_checkpoint_dir
+    from primerl.transport.weights import is_adapter
+
+    run = tmp_path / "run"
+    lora = ("model.lora.rank=8", "model.lora.alpha=32", "sft.steps=30", f"cache_dir={cache_dir}")
+    result = _train(run, *lora, "trainer.optim.lr=2e-3", sft=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    sft_adapter = sft_checkpoint_dir(check(["+experiment=reverse_text", *lora]))
+    assert is_adapter(sft_adapter) and not (sft_adapter / "model.safetensors").exists()
+    start = load_file(weights_path(run, 0) / ADAPTER_FILE)
+    assert start.keys() == load_file(sft_adapter / ADAPTER_FILE).keys()
+    assert all(v.equal(load_file(sft_adapter / ADAPTER_FILE)[k]) for k, v in start.items())
+    assert any(v.abs().max() > 0 for k, v in start.items() if "lora_B" in k)  # SFT moved B off zero
+    for version in (0, 3):
+        assert is_stable(weights_path(run, version)) and is_adapter(weights_path(run, version))
+        assert not (weights_path(run, version) / "model.safetensors").exists()
+    assert "LoRA rank 8 from" in (run / "logs" / "trainer.log").read_text()
+    assert re.search(r"policy v\d -> v3 loaded in flight", (run / "logs" / "orchestrator.log").read_text())
+    trainer = read_metrics(run, "trainer")
+    assert [r["step"] for r in trainer] == [0, 1, 2] and trainer[0]["mismatch_kl"] < 1e-4
+    scored = run_module(
+        "primerl.eval",
+        "+experiment=reverse_text",
+        f"eval.run={run}",
+        "eval.num_tasks=4",
+        "eval.samples_per_task=1",
+        f"inference.port={free_port()}",
+        f"cache_dir={cache_dir}",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+        "ledger.enabled=false",
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert summary["model"] == str(weights_path(run, 3).resolve()) and summary["step"] == 3
+    assert summary["failures"] == 0 and 0.0 <= summary["reward_mean"] <= 1.0

@@ -37,7 +37,7 @@ def validate(cfg: RunConfig) -> None:
     """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
     first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
     check_bounds(cfg)
-    for check in (_orchestrator, _inference, _model, _data, _parallelism, check_algorithm, _launcher, _ledger):
+    for check in (_orchestrator, _inference, _model, _lora, _data, _parallelism, check_algorithm, _launcher, _ledger):
         check(cfg)
 
 
@@ -134,6 +134,23 @@ def _data(cfg: RunConfig) -> None:
         raise ConfigError("mixture", "each env may appear once (its id names its metrics)")
     if cfg.sft.data and not Path(cfg.sft.data).expanduser().exists():  # its rows: primerl.sft.data
         raise ConfigError("sft.data", f"{cfg.sft.data} is neither a JSONL file nor a datasets directory")
+
+
+def _lora(cfg: RunConfig) -> None:
+    """LoRA where it is built and checked: dense models, FSDP2 (and CP), one server per replica."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    if not lora.target_modules:
+        raise ConfigError("model.lora.target_modules", "name at least one module to adapt (e.g. [q_proj, v_proj])")
+    if cfg.parallelism.ep > 1 or (cfg.model.source == ModelSource.tiny and cfg.model.arch.num_experts):
+        raise ConfigError(
+            "model.lora.rank",
+            "LoRA on a MoE model is not supported: peft wraps its fused experts in a layout that expert parallel "
+            "and the served adapter are not built for; use a dense model or model.lora.rank=0",
+        )
+    if cfg.inference.pd.enabled:
+        raise ConfigError("model.lora.rank", "prefill/decode servers take no adapters; set inference.pd.enabled=false")
 
 
 def _parallelism(cfg: RunConfig) -> None:

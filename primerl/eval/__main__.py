@@ -14,7 +14,9 @@ By default (`eval.held_out=true`) the env's held-out split is used where it has 
 Prints and writes to `<output_dir>/eval.json`: mean reward with its standard error, avg@k, unbiased pass@k (a
 rollout passes when its reward is at least `eval.success_threshold`), each reward function's and env metric's
 mean, and the failed rollouts by reason (counted, never scored). Records an MLflow run (tag `primerl.kind=eval`,
-`eval.model` = the directory evaluated) with the scores as `eval/<env id>/...` at the evaluated step.
+`eval.model` = the directory evaluated) with the scores as `eval/<env id>/...` at the evaluated step. A LoRA run's
+policy (an adapter directory, by `eval.run` or `eval.model`) is served over the base model its adapter_config.json
+names.
 """
 
 import asyncio
@@ -32,9 +34,11 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.envs.config import EnvConfig
 from primerl.envs.scoring import TaskResult, run_tasks, summarize
+from primerl.model.adapter import adapter_settings
+from primerl.model.config import LoraConfig
 from primerl.transport.atomic import is_stable, write_json
 from primerl.transport.run_dir import eval_summary_path, log_path, scratch_prefix, weights_path
-from primerl.transport.weights import latest_stable_version
+from primerl.transport.weights import is_adapter, latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 from primerl.utils.process import free_port
@@ -49,8 +53,10 @@ def model_to_evaluate(cfg: RunConfig) -> tuple[str, int | None]:
         raise ConfigError("eval.model", "give exactly one of eval.model=<model dir> or eval.run=<run dir>")
     if e.model is not None:
         path = Path(e.model).expanduser()
-        if not (path / "config.json").exists():
-            raise ConfigError("eval.model", f"{e.model} is not a Hugging Face model directory (no config.json)")
+        if not (path / "config.json").exists() and not is_adapter(path):
+            raise ConfigError(
+                "eval.model", f"{e.model} is neither a Hugging Face model directory nor a LoRA adapter (no config.json)"
+            )
         return str(path.resolve()), None
     run = Path(e.run).expanduser()
     step = e.step if e.step is not None else latest_stable_version(run)
@@ -84,8 +90,12 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
         log.warning(f"the env has {len(tasks)} tasks, fewer than eval.num_tasks={e.num_tasks}")
     device = resolve_device(inf)
     check_supported(inf, device)
+    adapter = None
+    if is_adapter(model_path):  # a LoRA run's policy: served over the base model it names
+        adapter, (model_path, rank) = model_path, adapter_settings(model_path)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=rank)))
     # one server: the decode server with PD, the first with inference.replicas (one is enough to evaluate)
-    spec = render_specs(cfg, model_path, device)[-1 if inf.pd.enabled else 0]
+    spec = render_specs(cfg, model_path, device, adapter)[-1 if inf.pd.enabled else 0]
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), scratch_prefix(cfg.output_dir, "vllm"))
     with server.start(inf.startup_timeout_s):
@@ -117,7 +127,7 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
     scores = summarize(results, e.k, e.success_threshold)
     reasons = collections.Counter(reason for r in results for reason in r.failures)
     return {
-        "model": model_path,
+        "model": adapter or model_path,
         "env": cfg.env.id,
         "env_args": dict(cfg.env.args),
         "samples_per_task": e.samples_per_task,

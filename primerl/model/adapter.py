@@ -15,6 +15,7 @@ Invariants:
 """
 
 import hashlib
+import json
 import math
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from primerl.model.config import LoraConfig
 from primerl.transport.atomic import atomic_dir
+from primerl.transport.weights import ADAPTER_CONFIG_FILE
+from primerl.utils.errors import ConfigError
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PEFT_ADAPTER = "default"  # the adapter's name inside the model (peft's)
@@ -56,7 +59,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig, base: str | Path) -> 
         inject_adapter_in_model(peft_config(lora, base), model, adapter_name=PEFT_ADAPTER)
     found = [name for name, _ in model.named_parameters() if is_adapter_param(name)]
     if not found:
-        raise ValueError(f"model.lora.target_modules={list(lora.target_modules)} matched no module of {base}")
+        raise ConfigError("model.lora.target_modules", f"{list(lora.target_modules)} match no module of {base}")
 
 
 def is_adapter_param(name: str) -> bool:
@@ -105,6 +108,27 @@ def save_adapter(
         save_file(saved, staging / ADAPTER_FILE, metadata={"format": "pt"})
         peft_config(lora, base).save_pretrained(str(staging))
     return Path(out_dir)
+
+
+def merge_adapters(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The full state dict of a model with LoRA layers, merged: each wrapped weight W becomes
+    W + B @ A * alpha / rank under the base model's own name, and the adapters go."""
+    merged = {}
+    for name, value in state.items():
+        if is_adapter_param(name):
+            continue
+        if name.endswith(".base_layer.weight"):
+            module = name.removesuffix("base_layer.weight")
+            a, b = state[f"{module}lora_A.{PEFT_ADAPTER}.weight"], state[f"{module}lora_B.{PEFT_ADAPTER}.weight"]
+            value = value + (b.float() @ a.float()).to(value.dtype) * (lora.alpha / lora.rank)
+        merged[base_param_name(name)] = value
+    return merged
+
+
+def adapter_settings(path: str | Path) -> tuple[str, int]:
+    """(the base model directory, the rank) that the adapter at `path` names in its adapter_config.json."""
+    config = json.loads((Path(path) / ADAPTER_CONFIG_FILE).read_text())
+    return config["base_model_name_or_path"], int(config["r"])
 
 
 def write_start_adapter(base: str | Path, lora: LoraConfig, seed: int, out_dir: str | Path) -> Path:

@@ -4,9 +4,11 @@ Every process asks this module, so inference serves, the orchestrator tokenizes 
 start weights. Whether SFT applies is a pure function of the config (`sft_applies`), decided identically in the
 driver, before any process starts, and in every process it starts.
 
-With LoRA (`model.lora.rank` > 0) a run starts from the base model plus its start adapter, policy version 0, at
-`weights_path(run, 0)`: the adapter SFT trained when SFT applies (SFT with LoRA trains an adapter), else the seeded
-one of primerl.model.adapter. Version 0 is never dropped, so a restarted server can always be started with it.
+With LoRA (`model.lora.rank` > 0) a run starts from a model plus its start adapter, policy version 0, at
+`weights_path(run, 0)`. By `sft.lora` when SFT applies: `adapter`, the base model and the adapter SFT trained;
+`merged`, the SFT model (its adapter merged in) and a seeded start adapter (primerl.model.adapter); `full`, the SFT
+model trained without LoRA and a seeded start adapter. Without SFT: the base model and a seeded start adapter.
+Version 0 is never dropped, so a restarted server can always be started with it.
 """
 
 import hashlib
@@ -20,6 +22,7 @@ from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
 from primerl.model.adapter import write_start_adapter
 from primerl.model.resolve import base_model_ref, prepare_base_model
+from primerl.sft.config import SftLora
 from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable
 from primerl.transport.run_dir import weights_path
 from primerl.utils.errors import ConfigError
@@ -41,14 +44,24 @@ def sft_applies(cfg: RunConfig) -> bool:
     return cfg.sft.enabled and sft_data_source(cfg) is not None
 
 
+def sft_trains_lora(cfg: RunConfig) -> bool:
+    """Whether SFT trains an adapter (`model.lora` on, `sft.lora` adapter or merged) rather than every weight."""
+    return cfg.model.lora.enabled and cfg.sft.lora != SftLora.full
+
+
+def rl_continues_sft_adapter(cfg: RunConfig) -> bool:
+    return sft_applies(cfg) and cfg.model.lora.enabled and cfg.sft.lora == SftLora.adapter
+
+
 def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs.
     With `sft.data`, its sha256 is part of the key: an edited dataset trains a new checkpoint."""
     settings = asdict(cfg.sft) | {"save_every": None}
     data = settings.pop("data")
+    settings.pop("lora")  # in the key only when SFT trains LoRA, so the keys of full SFT stay what they were
     key_parts = [base_model_ref(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
-    if cfg.model.lora.enabled:  # an adapter, not a model; left out without LoRA so older keys stay valid
-        key_parts.append({"lora": asdict(cfg.model.lora)})
+    if sft_trains_lora(cfg):
+        key_parts.append({"lora": asdict(cfg.model.lora), "sft_lora": cfg.sft.lora.value})
     if data:
         key_parts.append(data_digest(data))
     elif demonstrations_version(cfg.env.id) > 1:  # version 1 is left out: keys made before versions stay valid
@@ -72,8 +85,8 @@ def data_digest(data: str) -> str:
 
 def prepare_start_model(cfg: RunConfig) -> str:
     """The model RL starts from: the SFT checkpoint when SFT applies (trained before, by primerl.sft), else the base
-    model (the tiny model built here on first use). With LoRA, always the base model (`prepare_start_adapter`)."""
-    if sft_applies(cfg) and not cfg.model.lora.enabled:
+    model (the tiny model built here on first use); the base model when RL continues SFT's adapter."""
+    if sft_applies(cfg) and not rl_continues_sft_adapter(cfg):
         return str(sft_checkpoint_dir(cfg))
     return prepare_base_model(cfg)
 
@@ -85,9 +98,8 @@ def prepare_start_adapter(cfg: RunConfig) -> Path | None:
     target = weights_path(cfg.output_dir, 0)
     if is_stable(target):
         return target
-    base = prepare_base_model(cfg)
-    if not sft_applies(cfg):
-        return write_start_adapter(base, cfg.model.lora, cfg.seed, target)
+    if not rl_continues_sft_adapter(cfg):
+        return write_start_adapter(prepare_start_model(cfg), cfg.model.lora, cfg.seed, target)
     trained = sft_checkpoint_dir(cfg)
     if not is_stable(trained):
         raise ConfigError(

@@ -4,8 +4,8 @@ Trains on demonstrations (the env's own, primerl.envs.demonstrations, or a user'
 with loss on assistant tokens only, packed rows, on the same trainer as RL (primerl.trainer.trainer). The loss is
 normalised by the number of assistant tokens in the global batch, so 1 rank and N ranks compute the same loss and
 gradients. Writes an HF checkpoint to `sft_checkpoint_dir(cfg)` (reused when it already exists; with LoRA,
-`model.lora.rank` > 0, an adapter in peft's format that RL then starts from) and `sft_metrics.json` to the output
-folder.
+`model.lora.rank` > 0, by `sft.lora`: an adapter in peft's format that RL continues, the model with it merged, or
+every weight trained as without LoRA) and `sft_metrics.json` to the output folder.
 """
 
 import time
@@ -20,8 +20,8 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.model.resolve import prepare_base_model
-from primerl.model.start import sft_checkpoint_dir
-from primerl.sft.config import SftConfig
+from primerl.model.start import sft_checkpoint_dir, sft_trains_lora
+from primerl.sft.config import SftConfig, SftLora
 from primerl.sft.data import IGNORE, conversation_example, pack
 from primerl.sft.source import check_demonstrations, demonstration_batches
 from primerl.trainer.config import OptimConfig
@@ -61,7 +61,7 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     s = cfg.sft
     optim = OptimConfig(lr=s.lr, weight_decay=s.weight_decay, betas=list(s.betas), max_grad_norm=s.max_grad_norm)
     torch.manual_seed(cfg.seed)
-    adapter = AdapterSpec(cfg.model.lora, seed=cfg.seed) if cfg.model.lora.enabled else None
+    adapter = AdapterSpec(cfg.model.lora, seed=cfg.seed) if sft_trains_lora(cfg) else None
     return Trainer.build(base, info, optim, cfg.trainer, export_dtype=cfg.model.dtype, adapter=adapter)
 
 
@@ -87,6 +87,7 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
     """Collective: SFT on this rank's share of each batch, then the checkpoint at `out_dir` (and every
     `sft.save_every` steps beside it). Returns the global loss per step (the same on every rank)."""
     trainer = build_trainer(cfg, info)
+    merged = cfg.sft.lora == SftLora.merged
     tokenizer = AutoTokenizer.from_pretrained(trainer.base)
     losses, tokens_seen, started = [], 0.0, time.perf_counter()
     bar = tqdm(total=cfg.sft.steps, desc="sft", disable=not info.is_main, dynamic_ncols=True)
@@ -106,9 +107,9 @@ def train_sft(cfg: RunConfig, info: DistInfo, out_dir: Path) -> list[float]:
                 )
             break
         if cfg.sft.save_every and (step + 1) % cfg.sft.save_every == 0 and step + 1 < cfg.sft.steps:
-            trainer.export(out_dir.with_name(f"{out_dir.name}-step{step + 1}"))
+            trainer.export(out_dir.with_name(f"{out_dir.name}-step{step + 1}"), merged)
     bar.close()
-    trainer.export(out_dir)
+    trainer.export(out_dir, merged)
     return losses
 
 

@@ -1,9 +1,18 @@
 """SFT warm-start settings (a section of the experiment, not a group)."""
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from primerl.utils.bounds import bounded
+
+
+class SftLora(Enum):
+    """What SFT does when the run trains LoRA (`model.lora.rank` > 0)."""
+
+    adapter = "adapter"  # SFT trains the adapter; RL continues that adapter on the base model
+    merged = "merged"  # SFT trains an adapter and writes base + adapter merged; RL adds a new adapter on that model
+    full = "full"  # SFT trains every weight (the same checkpoint as without LoRA); RL adds a new adapter on it
 
 
 @dataclass
@@ -35,3 +44,4 @@ class SftConfig:
     demonstration_args: dict[str, Any] = field(default_factory=dict)
     # also keep the checkpoint every N steps (<checkpoint>-step<N>); 0: only the final one
     save_every: int = bounded(0, ge=0)
+    lora: SftLora = SftLora.adapter  # with model.lora only

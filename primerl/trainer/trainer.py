@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from primerl.model.adapter import is_adapter_param, save_adapter
+from primerl.model.adapter import is_adapter_param, merge_adapters, save_adapter
 from primerl.model.config import LoraConfig
 from primerl.trainer.checkpoint import load_checkpoint
 from primerl.trainer.config import OptimConfig, TrainerConfig
@@ -195,13 +195,16 @@ class Trainer:
         """Collective: model and optimizer state from the checkpoint at `path`; returns its trainer_state.json."""
         return load_checkpoint(self.model, self.optimizer, path)
 
-    def export(self, out_dir: str | Path) -> None:
+    def export(self, out_dir: str | Path, merged: bool = False) -> None:
         """Collective: write the full weights as an HF directory (with the base model's config and tokenizer), or
-        with LoRA the adapter alone in peft's format (only the adapters are gathered), atomically and STABLE-marked,
-        from rank 0."""
-        state = full_state_dict(self.model, trained_only=self.lora is not None)
-        if self.info.is_main and self.lora is not None:
+        with LoRA the adapter alone in peft's format (only the adapters are gathered; `merged`: the full weights
+        with the adapters merged in), atomically and STABLE-marked, from rank 0."""
+        adapter_only = self.lora is not None and not merged
+        state = full_state_dict(self.model, trained_only=adapter_only)
+        if self.info.is_main and adapter_only:
             save_adapter({k: v for k, v in state.items() if is_adapter_param(k)}, self.lora, self.base, out_dir)
         elif self.info.is_main:
+            if self.lora is not None:
+                state = merge_adapters(state, self.lora)
             save_hf_checkpoint({k: v.to(self.export_dtype) for k, v in state.items()}, self.base, out_dir)
         dist.barrier()
