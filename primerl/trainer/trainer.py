@@ -202,7 +202,8 @@ class Trainer:
         adapter_only = self.lora is not None and not merged
         state = full_state_dict(self.model, trained_only=adapter_only)
         if self.info.is_main and adapter_only:
-            save_adapter({k: v for k, v in state.items() if is_adapter_param(k)}, self.lora, self.base, out_dir)
+            adapters = {k: v for k, v in state.items() if is_adapter_param(k)}
+            save_adapter(adapters, self.lora, self.base, out_dir, dtype=self.export_dtype)
         elif self.info.is_main:
             if self.lora is not None:
                 state = merge_adapters(state, self.lora)
