@@ -41,17 +41,23 @@ def rerun_family(client: MlflowClient, run_id: str) -> list:
     return [original, *reruns]
 
 
-def select_runs(client: MlflowClient, experiment: str | None, sweep: str | None, filter_string: str) -> list:
+def select_runs(client: MlflowClient, experiment: str | None, sweeps: list[str], filter_string: str) -> list:
+    """The runs of `experiment` (every one when None) that pass `filter_string`: those of each of `sweeps` in turn
+    (a parent run id or a sweep directory each), or all of them when `sweeps` is empty."""
     experiments = [client.get_experiment_by_name(experiment)] if experiment else client.search_experiments()
     ids = [e.experiment_id for e in experiments if e is not None]
     if not ids:
         raise SystemExit(f"compare: no experiment named '{experiment}' in {client.tracking_uri}")
     clauses = [f for f in [filter_string, "tags.`primerl.kind` != 'sweep'"] if f]
-    if sweep and Path(sweep).is_dir():
-        clauses.append(f"tags.`primerl.sweep_dir` = '{Path(sweep).resolve()}'")
-    elif sweep:
-        clauses.append(f"tags.mlflow.parentRunId = '{sweep}'")
-    return client.search_runs(ids, " and ".join(clauses), order_by=["attributes.start_time ASC"], max_results=500)
+    runs = []
+    for sweep in sweeps or [None]:
+        these = list(clauses)
+        if sweep and Path(sweep).is_dir():
+            these.append(f"tags.`primerl.sweep_dir` = '{Path(sweep).resolve()}'")
+        elif sweep:
+            these.append(f"tags.mlflow.parentRunId = '{sweep}'")
+        runs += client.search_runs(ids, " and ".join(these), order_by=["attributes.start_time ASC"], max_results=500)
+    return runs
 
 
 def differing_params(runs: list) -> list[str]:
@@ -112,7 +118,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--store-dir", default="outputs", help="where the embedded store mlflow.db lives (default: %(default)s)"
     )
     parser.add_argument("--experiment", help="experiment name (default: every experiment)")
-    parser.add_argument("--sweep", help="a sweep's parent run id or its sweep directory")
+    parser.add_argument(
+        "--sweep", action="append", default=[], help="a sweep's parent run id or its sweep directory (repeatable)"
+    )
     parser.add_argument("--rerun-of", help="a run id: that run and its reruns (primerl rerun)")
     parser.add_argument(
         "--filter", default="", help="an MLflow search filter, e.g. \"params.seed = '1'\" (default: none)"
