@@ -21,10 +21,11 @@ import shutil
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
-from primerl.launch.resume import check_run_format, kept_settings
+from primerl.launch.resume import check_run_format, kept_settings, recorded_settings
 from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER, read_metrics
 from primerl.transport.atomic import atomic_dir, atomic_file, is_stable, latest_stable, write_json
 from primerl.transport.run_dir import (
+    CHECKPOINT_STATE_FILE,
     checkpoint_path,
     checkpoints_root,
     fork_record_path,
@@ -37,7 +38,6 @@ from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 
 log = get_logger("train")
-CHECKPOINT_STATE = "trainer_state.json"  # primerl.trainer.checkpoint.STATE_FILE
 
 
 def seed_fork(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
@@ -86,7 +86,8 @@ def check_parent(cfg: RunConfig, parent: Path, run_dir: Path) -> int:
     if run_settings_path(run_dir).exists():
         raise ConfigError("fork.run", f"{run_dir} holds a run of its own; fork into a new run directory")
     check_run_format(parent)
-    before, now = json.loads(run_settings_path(parent).read_text()), kept_settings(cfg)
+    now = kept_settings(cfg)
+    before = recorded_settings(parent, now)
     for key in sorted(k for k in before.keys() | now.keys() if k.startswith("model.")):
         if before.get(key) != now.get(key):
             raise ConfigError(
@@ -113,9 +114,9 @@ def _seed_checkpoint(source: Path, target: Path, weights_only: bool) -> None:
         for file in sorted(source.iterdir()):
             _link_or_copy(file, staging / file.name)
         if weights_only:  # the trainer loads the model alone (primerl.trainer.checkpoint.load_checkpoint)
-            state = json.loads((source / CHECKPOINT_STATE).read_text())
-            (staging / CHECKPOINT_STATE).unlink()
-            (staging / CHECKPOINT_STATE).write_text(json.dumps(state | {"weights_only": True}, indent=1))
+            state = json.loads((source / CHECKPOINT_STATE_FILE).read_text())
+            (staging / CHECKPOINT_STATE_FILE).unlink()
+            (staging / CHECKPOINT_STATE_FILE).write_text(json.dumps(state | {"weights_only": True}, indent=1))
 
 
 def _place(source: Path, target: Path) -> None:

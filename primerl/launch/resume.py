@@ -45,6 +45,14 @@ def kept_settings(cfg: RunConfig) -> dict[str, str]:
     return {key: value for key, value in flat.items() if key.startswith(KEPT) or key in {k.rstrip(".") for k in KEPT}}
 
 
+def recorded_settings(run_dir: Path, now: dict[str, str]) -> dict[str, str]:
+    """The settings recorded at the run's first start, to compare with `now`. A setting of `now` that the record
+    lacks, and that has a default, was added to primerl after the record was written: the run had its default."""
+    recorded = json.loads(run_settings_path(run_dir).read_text())
+    defaults = kept_settings(RunConfig())
+    return {key: defaults[key] for key in now.keys() - recorded.keys() if key in defaults} | recorded
+
+
 def _flatten(tree: object, prefix: str = "") -> dict[str, str]:
     if isinstance(tree, dict) and tree:
         return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
@@ -60,7 +68,7 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
         write_json(run_format_path(run_dir), {"format": RUN_DIR_FORMAT})
         return
     check_run_format(run_dir)
-    before = json.loads(path.read_text())
+    before = recorded_settings(run_dir, now)
     changed = sorted(key for key in before.keys() | now.keys() if before.get(key) != now.get(key))
     refused = [key for key in changed if not any(key == a or key.startswith(f"{a}.") for a in cfg.allow_changes)]
     if refused:

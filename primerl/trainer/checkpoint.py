@@ -32,11 +32,10 @@ from torch.distributed.tensor import DTensor
 
 from primerl.transport.atomic import atomic_dir, latest_stable, shared_staging_path
 from primerl.transport.formats import CHECKPOINT_FORMAT, check_format
-from primerl.transport.run_dir import checkpoint_path, checkpoints_root
+from primerl.transport.run_dir import CHECKPOINT_STATE_FILE, checkpoint_path, checkpoints_root
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 
-STATE_FILE = "trainer_state.json"
 log = get_logger("trainer")
 
 
@@ -108,7 +107,7 @@ def _write(
                 "metrics": metrics,
                 "files": files,
             }
-            (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
+            (staging / CHECKPOINT_STATE_FILE).write_text(json.dumps(state, indent=1))
     if is_main:
         for old in sorted(target.parent.glob("step_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -186,10 +185,10 @@ def make_checkpointer(run_dir: str | Path, keep: int, is_main: bool, asynchronou
 def verify_checkpoint(path: Path) -> dict:
     """The checkpoint's trainer_state.json, after checking every recorded file's size and digest."""
     try:
-        state = json.loads((path / STATE_FILE).read_text())
+        state = json.loads((path / CHECKPOINT_STATE_FILE).read_text())
         files = state["files"]
     except (OSError, ValueError, KeyError) as err:
-        raise CorruptCheckpoint(path, f"unreadable {STATE_FILE}: {err}") from err
+        raise CorruptCheckpoint(path, f"unreadable {CHECKPOINT_STATE_FILE}: {err}") from err
     check_format(state.get("format"), CHECKPOINT_FORMAT, "checkpoint", path)
     for name, expected in files.items():
         file = path / name

@@ -54,6 +54,9 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return checkpoints_root(run_dir) / _step(step)
 
 
+CHECKPOINT_STATE_FILE = "trainer_state.json"  # in each checkpoint directory: its step, metrics, files and digests
+
+
 def step_of(path: str | Path) -> int:
     """n of a `step_<n>` name (a rollout file, weight or checkpoint directory)."""
     return int(Path(path).name.split(".")[0].split("_")[1])
