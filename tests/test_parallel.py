@@ -34,6 +34,7 @@ ALGORITHM = (
         ("tiny", "fsdp2", (), ALGORITHM),
         ("tiny_moe", "fsdp2_ep", (), ()),
         ("tiny", "fsdp2_cp", MEMORY_SAVERS, ("trainer.loss.reduction=sequence",)),
+        ("tiny", "fsdp2_cp", MEMORY_SAVERS, ("model.lora.rank=8", "trainer.optim.lr=3e-3")),
     ],
 )
 def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism, savers, algorithm):
@@ -43,7 +44,8 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     tokens scored 7 at a time. The 1-rank run is the plain model in every case (its micro-batches of 128 tokens
     scored in one chunk: the full-vocabulary path). With fsdp2 the loss is GSPO's, reduced per sequence, with a KL
     to the reference; with
-    fsdp2_cp the default loss reduced per sequence, whose sequences straddle the CP split."""
+    fsdp2_cp the default loss reduced per sequence, whose sequences straddle the CP split; and fsdp2_cp again with
+    LoRA adapters, the only parameters that train and that are published."""
     args = [
         "+experiment=reverse_text",
         "sft.enabled=false",
@@ -53,6 +55,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         *algorithm,
     ]
     cfg = check([*args, f"output_dir={tmp_path}"])
+    lora = cfg.model.lora.enabled
     samples = model_samples(prepare_base_model(cfg))
     batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1)
     while len(batch.micro_batches) % 2 == 0:  # make the count odd
@@ -77,7 +80,8 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         )
         assert result.returncode == 0, result.stderr[-3000:]
         (rows[nproc],) = read_metrics(run, "trainer")
-        weights[nproc] = load_file(weights_path(run, 1) / "model.safetensors")
+        published = weights_path(run, 1)
+        weights[nproc] = load_file(published / ("adapter_model.safetensors" if lora else "model.safetensors"))
     assert rows[1]["mismatch_kl"] < 1e-10  # the batch's logprobs are the model's own
     if algorithm == ALGORITHM:  # before the first update the policy is its reference
         assert rows[1]["reference_kl"] < 1e-12 and rows[2]["reference_kl"] < 1e-12
@@ -92,6 +96,11 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     # 1.2e-6 to 2.5e-6 apart with fsdp2_cp. A wrong shard or gather moves whole tensors by ~1e-4.
     for name, value in weights[1].items():
         torch.testing.assert_close(weights[2][name], value, rtol=0, atol=1e-5, msg=name)
+    if lora:  # the adapters alone were published: every B moved off zero, every A kept (its gradient is B's, 0)
+        start = load_file(weights_path(tmp_path / "np1", 0) / "adapter_model.safetensors")
+        assert weights[1].keys() == start.keys()
+        assert all(torch.equal(weights[1][k], start[k]) == (".lora_A." in k) for k in start)
+        return
     unchanged = [name for name, value in weights[1].items() if torch.equal(value, base[name])]
     assert all(".experts." in name for name in unchanged), unchanged  # only an expert no token chose keeps still
     assert len(unchanged) < len(weights[1]) / 4

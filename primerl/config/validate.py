@@ -137,7 +137,7 @@ def _data(cfg: RunConfig) -> None:
 
 
 def _lora(cfg: RunConfig) -> None:
-    """LoRA where it is built and checked: dense models under FSDP2, one server per replica (no PD)."""
+    """LoRA where it is built and checked: dense models under FSDP2 (and CP), one server per replica (no PD)."""
     lora = cfg.model.lora
     if not lora.enabled:
         return
