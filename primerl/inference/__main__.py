@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.gpus import plan_gpus, visible_gpus
+from primerl.inference.pd_router import start_router
 from primerl.inference.server import (
     InferenceStartError,
     VllmServer,
@@ -27,7 +28,7 @@ from primerl.inference.server import (
     resolve_device,
 )
 from primerl.model.start import prepare_start_adapter, prepare_start_model
-from primerl.transport.run_dir import log_path, scratch_prefix
+from primerl.transport.run_dir import log_path, pd_kv_store, scratch_prefix
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
@@ -93,6 +94,14 @@ def main(dict_cfg: DictConfig) -> None:
         for server in servers:
             server.wait_ready(cfg.inference.startup_timeout_s)
             log.info(f"serving {model_path} at {server.base_url}")
+        if cfg.inference.pd.enabled:
+            inf, (prefill, decode) = cfg.inference, servers
+            start_router(
+                inf.host, inf.port, prefill.base_url, decode.base_url, pd_kv_store(cfg.output_dir), prefill.spec.env
+            )
+            log.info(
+                f"prefill at {prefill.base_url}, decode at {decode.base_url}, routed at http://{inf.host}:{inf.port}"
+            )
         keep_serving(servers, cfg.inference.startup_timeout_s)
     except (InferenceStartError, RunError) as err:
         log.error(str(err))

@@ -16,15 +16,10 @@ class KvCacheDtype(Enum):
     fp8 = "fp8"
 
 
-class PdRole(Enum):
-    both = "both"  # one server does prefill and decode
-    prefill = "prefill"
-    decode = "decode"
-
-
 @dataclass
 class PdConfig:
-    """Prefill/decode disaggregation: two vLLM servers joined by a KV connector."""
+    """Prefill/decode disaggregation: two vLLM servers joined by a KV connector, behind a router at
+    `inference.port` (primerl.inference.pd_router). On CPU the connector is ExampleConnector."""
 
     enabled: bool = False
     kv_connector: str = "NixlConnector"
@@ -101,8 +96,11 @@ def replica_ports(inf: InferenceConfig) -> list[int]:
 
 
 def served_ports(inf: InferenceConfig) -> list[int]:
-    """Every port the inference servers listen on: the replicas', or the prefill and decode servers' with PD."""
-    return [inf.pd.prefill_port, inf.pd.decode_port] if inf.pd.enabled else replica_ports(inf)
+    """Every port the inference servers listen on: the replicas', or with PD the router's (`port`) and the prefill
+    and decode servers'."""
+    if inf.pd.enabled:
+        return [port for port in (inf.port, inf.pd.prefill_port, inf.pd.decode_port) if port]
+    return replica_ports(inf)
 
 
 def replica_urls(inf: InferenceConfig) -> list[str]:

