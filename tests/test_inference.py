@@ -307,7 +307,7 @@ def test_an_idle_server_gives_its_cores_back(server):
     assert used < 0.5, f"the idle server used {used:.2f} cores"
 
 
-def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():
+def test_fp8_and_pd_render_on_gpu_and_their_gpu_parts_refuse_on_cpu():
     fp8 = check(["inference=vllm_fp8"])
     (spec,) = render_specs(fp8, "/m", "cuda")
     assert spec.args[spec.args.index("--quantization") + 1] == "fp8"
@@ -326,8 +326,8 @@ def test_fp8_and_pd_render_on_gpu_and_refuse_on_cpu():
     assert '"kv_role":"kv_producer"' in prefill.args[prefill.args.index("--kv-transfer-config") + 1]
     assert '"kv_role":"kv_consumer"' in decode.args[decode.args.index("--kv-transfer-config") + 1]
     assert (prefill.port, decode.port) == (8100, 8200)
-    with pytest.raises(ConfigError, match="inference.pd.enabled"):
-        check_supported(pd.inference, "cpu")
+    with pytest.raises(ConfigError, match="inference.pd.kv_connector"):
+        check_supported(pd.inference, "cpu")  # NixlConnector; ExampleConnector runs on CPU (tests/test_pd.py)
 
 
 def _prefix_hits(srv) -> float:
