@@ -90,7 +90,7 @@ def test_eval_of_an_env_by_id_on_its_held_out_split(cache_dir, tmp_path):
     for bad, key in (
         (["eval.model=null"], "eval.model: give exactly one of"),
         (["eval.k=5"], "eval.k: 5 exceeds"),
-        ([f"eval.model={tmp_path}"], "is not a Hugging Face model directory"),
+        ([f"eval.model={tmp_path}"], "is neither a Hugging Face model directory nor a LoRA adapter"),
     ):
         result = run_module("primerl.eval", *common, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert result.returncode == 2 and key in result.stderr and len(result.stderr.strip().splitlines()) == 1
