@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from primerl.config.cli import check
 from primerl.inference.pd_router import start_router
-from primerl.inference.server import VllmServer, render_specs
+from primerl.inference.server import VllmServer, render_specs, start_side_by_side
 from primerl.model.resolve import prepare_base_model
 from primerl.transport.run_dir import pd_kv_store
 from primerl.transport.weights import SERVED_MODEL_NAME
@@ -85,10 +85,7 @@ def main() -> None:
     servers = [VllmServer(spec, run / f"vllm-{spec.port}.log") for spec in specs]
     tok = AutoTokenizer.from_pretrained(model)
     try:
-        for server in servers:
-            server.spawn()
-        for server in servers:
-            server.wait_ready()
+        start_side_by_side(servers)
         prefill, decode, single = servers
         start_router("127.0.0.1", ports[0], prefill.base_url, decode.base_url, pd_kv_store(run), prefill.spec.env)
         urls = {"one server": single.base_url, "prefill/decode": f"http://127.0.0.1:{ports[0]}"}

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
-from primerl.inference.server import VllmServer, render_specs
+from primerl.inference.server import VllmServer, render_specs, start_side_by_side
 from primerl.model.adapter import (
     ADAPTER_FILE,
     PEFT_ADAPTER,
@@ -165,10 +165,7 @@ def test_two_vllm_replicas_serve_the_adapter_and_load_each_new_one_in_flight_as_
     tok = AutoTokenizer.from_pretrained(base)
     prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 8 + "<|im_end|>\n<|im_start|>assistant\n")
     try:
-        for server in servers:
-            server.spawn()
-        for server in servers:
-            server.wait_ready()
+        start_side_by_side(servers)
         urls = [server.base_url for server in servers]
         models = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"]
         assert sorted(m["id"] for m in models) == [SERVED_MODEL_NAME, ADAPTER_BASE_NAME]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
 from primerl.inference.pd_router import start_router
-from primerl.inference.server import VllmServer, check_supported, render_specs
+from primerl.inference.server import VllmServer, check_supported, render_specs, start_side_by_side
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
@@ -66,10 +66,7 @@ def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_
     tok = AutoTokenizer.from_pretrained(model)
     prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n")
     try:
-        for server in servers:
-            server.spawn()
-        for server in servers:
-            server.wait_ready()
+        start_side_by_side(servers)
         prefill, decode, alone = servers
         router = start_router(
             "127.0.0.1", ports[0], prefill.base_url, decode.base_url, pd_kv_store(tmp_path), prefill.spec.env

@@ -26,6 +26,7 @@ from primerl.inference.server import (
     check_supported,
     render_specs,
     resolve_device,
+    start_side_by_side,
 )
 from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.transport.run_dir import log_path, pd_kv_store, scratch_prefix
@@ -89,10 +90,8 @@ def main(dict_cfg: DictConfig) -> None:
         servers.append(VllmServer(spec, log_path(cfg.output_dir, name), scratch_prefix(cfg.output_dir, "vllm")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
+        start_side_by_side(servers, cfg.inference.startup_timeout_s)
         for server in servers:
-            server.spawn()
-        for server in servers:
-            server.wait_ready(cfg.inference.startup_timeout_s)
             log.info(f"serving {model_path} at {server.base_url}")
         if cfg.inference.pd.enabled:
             inf, (prefill, decode) = cfg.inference, servers

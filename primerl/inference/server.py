@@ -314,3 +314,11 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_side_by_side(servers: list[VllmServer], timeout_s: float = 600.0) -> None:
+    """Start every server at once (each vLLM start is mostly waiting), then wait for each to be ready."""
+    for server in servers:
+        server.spawn()
+    for server in servers:
+        server.wait_ready(timeout_s)
