@@ -93,6 +93,8 @@ def test_every_group_option_composes(group, option):
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),
         (["launcher=slurm", "inference=vllm_pd"], "inference.pd.enabled", "not placed by launcher=slurm"),
+        (["inference=vllm_pd", "inference.pd.decode_port=8100"], "inference.pd.decode_port", "name the same port"),
+        (["inference=vllm_pd", "inference.port=8200"], "inference.pd.decode_port", "inference.port, inference.pd"),
         (["launcher=slurm", "+launcher.sbatch.infer.exclude=node1"], "launcher.sbatch.infer", "is not a job role"),
     ],
 )

@@ -80,6 +80,8 @@ def _inference(cfg: RunConfig) -> None:
             f"{inf.replicas} with inference.pd.enabled: replicas of a "
             "prefill/decode pair are not supported; use one or the other",
         )
+    if inf.pd.enabled:
+        _distinct_pd_ports(inf)
     if inf.replicas % cfg.launcher.inference_jobs:
         raise ConfigError(
             "launcher.inference_jobs",
@@ -134,6 +136,25 @@ def _data(cfg: RunConfig) -> None:
         raise ConfigError("mixture", "each env may appear once (its id names its metrics)")
     if cfg.sft.data and not Path(cfg.sft.data).expanduser().exists():  # its rows: primerl.sft.data
         raise ConfigError("sft.data", f"{cfg.sft.data} is neither a JSONL file nor a datasets directory")
+
+
+def _distinct_pd_ports(inf) -> None:
+    """The prefill/decode router (`inference.port`; 0: a free one) and its two servers each need a port of their own."""
+    named = [
+        (key, port)
+        for key, port in (
+            ("inference.port", inf.port),
+            ("inference.pd.prefill_port", inf.pd.prefill_port),
+            ("inference.pd.decode_port", inf.pd.decode_port),
+        )
+        if port
+    ]
+    ports = [port for _, port in named]
+    shared = [key for key, port in named if ports.count(port) > 1]
+    if shared:
+        raise ConfigError(
+            shared[-1], f"{', '.join(shared)} name the same port; the router and both servers need their own"
+        )
 
 
 def _lora(cfg: RunConfig) -> None:
