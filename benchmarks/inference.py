@@ -130,7 +130,7 @@ def arch_overrides(hidden: int) -> list[str]:
 
 async def reload_times(base_url: str, published: Path, repeats: int) -> list[float]:
     async with InferenceClient(base_url) as client:
-        return [await client.load_weights(published, v + 1) for v in range(repeats)]
+        return [(await client.load_weights(published, v + 1)).seconds for v in range(repeats)]
 
 
 def weight_update(sizes: list[int], root: Path) -> None:

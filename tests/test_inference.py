@@ -18,97 +18,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from primerl.config.cli import check
 from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer, check_supported, render_specs
 from primerl.model.resolve import prepare_base_model
-from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.atomic import atomic_dir
 from primerl.transport.identity import SERVER_ID_HEADER, server_identity
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import SERVED_MODEL_NAME
+from primerl.transport.weights import SERVED_MODEL_NAME, published_fingerprint
 from primerl.utils.errors import ConfigError
 from primerl.utils.process import free_port
-
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
-API_KEY = "test-key"
-
-
-@pytest.fixture(scope="module")
-def server(cache_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("run")  # the server loads weights only from <run>/weights
-    cfg = check(
-        [
-            "+experiment=reverse_text",
-            f"inference.port={free_port()}",
-            f"inference.api_key={API_KEY}",
-            f"cache_dir={cache_dir}",
-            f"output_dir={run}",
-            "orchestrator.seed_requests=true",  # the seeded-rollout test's server: chunked prefill off
-        ]
-    )
-    model = prepare_base_model(cfg)
-    (spec,) = render_specs(cfg, model, "cpu")
-    assert API_KEY not in " ".join(spec.args)  # the key goes in the environment, not on a command line others can read
-    with VllmServer(spec, run / "vllm.log").start() as srv:
-        srv.model_dir, srv.run_dir = model, run
-        tmp_dir = srv.tmp_dir
-        assert any(tmp_dir.iterdir())  # vLLM's sockets live in the server's own temp dir...
-        yield srv
-    assert not tmp_dir.exists()  # ...which goes with it
-
-
-def _client(srv) -> InferenceClient:
-    return InferenceClient(srv.base_url, API_KEY)
-
-
-def _call(srv, method: str, *args):
-    """One InferenceClient call on a fresh event loop."""
-
-    async def go():
-        async with _client(srv) as client:
-            return await getattr(client, method)(*args)
-
-    return asyncio.run(go())
-
-
-def _publish(srv, version: int, scale: float, seed: int):
-    """New weights for the same architecture, published as the trainer does (tied LM head) under the run."""
-    return _save_perturbed(srv.model_dir, weights_path(srv.run_dir, version), scale, seed)
-
-
-def _save_perturbed(model_dir, out_dir, scale: float, seed: int):
-    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    torch.manual_seed(seed)
-    new_state = {k: v + scale * torch.randn_like(v) if v.dim() == 2 else v for k, v in state.items()}
-    new_state["lm_head.weight"] = new_state["model.embed_tokens.weight"]
-    return save_hf_checkpoint(new_state, model_dir, out_dir)
-
-
-def _generate(srv, prompt_ids, max_tokens=8):
-    r = httpx.post(
-        f"{srv.base_url}/inference/v1/generate",
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        json={
-            "model": SERVED_MODEL_NAME,
-            "token_ids": prompt_ids,
-            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
-        },
-        timeout=60,
-    )
-    r.raise_for_status()
-    choice = r.json()["choices"][0]
-    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]], choice
-
-
-@torch.no_grad()
-def _reference(model_dir, prompt_ids, max_tokens=8):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids, out, logprobs = torch.tensor([prompt_ids]), [], []
-    for _ in range(max_tokens):
-        logp = torch.log_softmax(model(ids).logits[0, -1], -1)
-        nxt = int(logp.argmax())
-        out.append(nxt)
-        logprobs.append(float(logp[nxt]))
-        ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
-    return out, logprobs
+from tests.served import (
+    API_KEY,
+    client_call,
+    client_of,
+    generate,
+    publish_perturbed,
+    reference,
+    save_perturbed,
+)
 
 
 def test_openai_client_chat_and_completions(server):
@@ -131,7 +56,7 @@ def test_api_key_is_enforced(server):
 def test_generate_returns_token_ids_and_logprobs(server):
     tok = AutoTokenizer.from_pretrained(server.model_dir)
     prompt = tok.encode("<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    ids, logprobs, choice = _generate(server, prompt)
+    ids, logprobs, choice = generate(server, prompt)
     assert len(ids) == len(logprobs) == 8
     assert all(lp <= 0 and math.isfinite(lp) for lp in logprobs)
     # the compat field the verifiers train client checks (primerl.inference.logprob_tokens)
@@ -141,18 +66,19 @@ def test_generate_returns_token_ids_and_logprobs(server):
 def test_weight_update_in_place_matches_transformers(server, tmp_path):
     tok = AutoTokenizer.from_pretrained(server.model_dir)
     prompt = tok.encode("<|im_start|>user\nxyz<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    before_ids, before_lp, _ = _generate(server, prompt)
-    ref_ids, ref_lp = _reference(server.model_dir, prompt)
+    before_ids, before_lp, _ = generate(server, prompt)
+    ref_ids, ref_lp = reference(server.model_dir, prompt)
     assert before_ids == ref_ids
     assert before_lp == pytest.approx(ref_lp, abs=1e-3)
 
-    new_dir = _publish(server, 1, 0.05, seed=1)
-    seconds = _call(server, "load_weights", new_dir, 1)
-    print(f"weight update latency (tiny model, CPU): {seconds:.3f}s")
-    assert _call(server, "policy_version") == 1
+    new_dir = publish_perturbed(server, 1, 0.05, seed=1)
+    loaded = client_call(server, "load_weights", new_dir, 1)
+    print(f"weight update latency (tiny model, CPU): {loaded.seconds:.3f}s")
+    assert client_call(server, "policy_version") == 1
+    assert loaded.fingerprint == published_fingerprint(new_dir)  # what it serves is what the trainer published
 
-    after_ids, after_lp, _ = _generate(server, prompt)
-    new_ref_ids, new_ref_lp = _reference(new_dir, prompt)
+    after_ids, after_lp, _ = generate(server, prompt)
+    new_ref_ids, new_ref_lp = reference(new_dir, prompt)
     assert after_ids == new_ref_ids
     assert after_lp == pytest.approx(new_ref_lp, abs=1e-3)
     assert (after_ids, after_lp) != (before_ids, before_lp)
@@ -163,22 +89,22 @@ def test_unstable_or_outside_weights_are_refused(server, tmp_path):
     half = save_hf_checkpoint(state, server.model_dir, weights_path(server.run_dir, 9))
     (half / "STABLE").unlink()  # as if the publish was interrupted before the marker
     with pytest.raises(RuntimeError, match="not a stable weight directory"):
-        _call(server, "load_weights", half, 9)
-    assert _call(server, "policy_version") != 9
+        client_call(server, "load_weights", half, 9)
+    assert client_call(server, "policy_version") != 9
     # a complete directory, but outside the run's weights directory: by path, by `..`, and through a symlink
     outside = save_hf_checkpoint(state, server.model_dir, tmp_path / "elsewhere")
     (server.run_dir / "weights" / "link").symlink_to(outside)
     for path in (outside, server.run_dir / "weights" / ".." / ".." / outside.name, server.run_dir / "weights" / "link"):
         with pytest.raises(RuntimeError, match="not inside the run's weights directory"):
-            _call(server, "load_weights", path, 8)
-    assert _call(server, "policy_version") != 8
+            client_call(server, "load_weights", path, 8)
+    assert client_call(server, "policy_version") != 8
     # a directory inside, STABLE, whose weight file is a symlink out of it
     inner = weights_path(server.run_dir, 7)
     with atomic_dir(inner) as staging:
         (staging / "model.safetensors").symlink_to(outside / "model.safetensors")
     with pytest.raises(RuntimeError, match="lead outside the run's weights directory"):
-        _call(server, "load_weights", inner, 7)
-    assert _call(server, "policy_version") != 7
+        client_call(server, "load_weights", inner, 7)
+    assert client_call(server, "policy_version") != 7
     assert "refused to load weights from" in (server.run_dir / "vllm.log").read_text()
 
 
@@ -300,7 +226,7 @@ def _session_cpu_s(session_id: int) -> float:
 def test_an_idle_server_gives_its_cores_back(server):
     """vLLM's worker busy-waits 1 s after each engine step; inference.cpu_idle_spin_s (0.005) cuts that, so in the
     second after a request the server's processes use a fraction of a core, not a whole one."""
-    _generate(server, [1, 2, 3], max_tokens=4)
+    generate(server, [1, 2, 3], max_tokens=4)
     before, started = _session_cpu_s(server.process.pid), time.monotonic()
     time.sleep(0.8)
     used = (_session_cpu_s(server.process.pid) - before) / (time.monotonic() - started)
@@ -344,10 +270,10 @@ def test_update_in_flight_keeps_requests_and_never_reuses_old_kv(server):
         "<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
     )
     assert len(prompt) > 64  # several full KV blocks, so a prefix hit is possible at all
-    version = _call(server, "policy_version")
+    version = client_call(server, "policy_version")
 
     async def across_update():
-        async with _client(server) as client, httpx.AsyncClient(timeout=300) as http:
+        async with client_of(server) as client, httpx.AsyncClient(timeout=300) as http:
             body = {
                 "model": SERVED_MODEL_NAME,
                 "token_ids": prompt[:40],
@@ -362,24 +288,24 @@ def test_update_in_flight_keeps_requests_and_never_reuses_old_kv(server):
             )
             await asyncio.sleep(0.3)  # running when the update starts
             assert not long.done()
-            await client.load_weights(_publish(server, version + 1, 0.05, seed=version + 7), version + 1)
+            await client.load_weights(publish_perturbed(server, version + 1, 0.05, seed=version + 7), version + 1)
             return await long
 
-    _generate(server, prompt)  # cached under the current weights
+    generate(server, prompt)  # cached under the current weights
     before = _prefix_hits(server)
-    _generate(server, prompt)
+    generate(server, prompt)
     assert _prefix_hits(server) > before  # positive control: an identical prompt reuses its blocks
 
     response = asyncio.run(across_update())
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 400  # kept, not aborted
-    assert _call(server, "policy_version") == version + 1
+    assert client_call(server, "policy_version") == version + 1
 
     before = _prefix_hits(server)
-    ids, logprobs, _ = _generate(server, prompt)
+    ids, logprobs, _ = generate(server, prompt)
     assert _prefix_hits(server) == before  # nothing reused from before the update
-    ref_ids, ref_logprobs = _reference(weights_path(server.run_dir, version + 1), prompt)
+    ref_ids, ref_logprobs = reference(weights_path(server.run_dir, version + 1), prompt)
     assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3)
-    _generate(server, prompt)
+    generate(server, prompt)
     assert _prefix_hits(server) > before  # blocks computed after the update are shared again
 
 
@@ -550,8 +476,8 @@ def test_an_fp8_kv_cache_serves_within_its_quantisation_error_and_follows_an_in_
     with VllmServer(spec, tmp_path / "vllm.log").start():
         ids, logprobs = served()
         before = error(logprobs, _scored(model, prompt, ids))
-        new_dir = _save_perturbed(model, weights_path(tmp_path, 1), 0.05, seed=1)
-        _call(SimpleNamespace(base_url=url), "load_weights", new_dir, 1)
+        new_dir = save_perturbed(model, weights_path(tmp_path, 1), 0.05, seed=1)
+        client_call(SimpleNamespace(base_url=url), "load_weights", new_dir, 1)
         ids, logprobs = served()
         after, from_old = error(logprobs, _scored(new_dir, prompt, ids)), error(logprobs, _scored(model, prompt, ids))
     print(

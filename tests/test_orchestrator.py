@@ -308,6 +308,7 @@ def test_partial_groups_never_stall_the_cut(tmp_path):
 def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
     from primerl.eval.config import EvalConfig
     from primerl.metrics import EVAL
+    from primerl.orchestrator.inference_client import Loaded
     from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
     from primerl.orchestrator.replicas import Replicas
     from primerl.orchestrator.watcher import Watcher
@@ -325,9 +326,9 @@ def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
         base_url = "http://fake"
         loads: list = []
 
-        async def load_weights(self, path, version):
+        async def load_weights(self, path, version, group=""):
             self.loads.append((version, runner.finished))  # rollouts finished by the time of the load
-            return 0.001
+            return Loaded(0.001, None)
 
     evals = online()
     watcher = Watcher(tmp_path, Replicas([FakeClient()]), policy, 0.01, 5.0, before_load=evals.before_load)

@@ -4,17 +4,20 @@ real vLLM path is in tests/test_faults.py)."""
 
 import asyncio
 import os
+import shutil
 import socket
 import time
 
 import pytest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
+from primerl.orchestrator.inference_client import Loaded
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
 from primerl.orchestrator.watcher import Watcher
-from primerl.transport.atomic import STABLE_MARKER
+from primerl.transport.atomic import STABLE_MARKER, write_json
 from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import OFFER_FILE, RECEIVERS_FILE, is_offer, read_json_file, write_fingerprint
 from primerl.utils.errors import RunError
 from primerl.utils.liveness import Liveness
 
@@ -29,6 +32,9 @@ class FakeServer:
         self.hung = False  # /health gives no answer in time (a loaded or a hung server)
         self.served = 0
         self.loads: list[int] = []
+        self.keeps_old_weights = False
+        self.process = 0  # its workers' process: a restart gives its collective group a new name
+        self.groups: list[str] = []  # the groups its collective loads were received in
 
     async def health(self) -> bool | None:
         return None if self.hung else await self.healthy()
@@ -50,16 +56,26 @@ class FakeServer:
     async def policy_version(self) -> int:
         return self.served
 
-    async def load_weights(self, path, version: int) -> float:
+    async def load_weights(self, path, version: int, group: str = "") -> Loaded:
         if not await self.healthy():
             raise RuntimeError("connection refused")
         await asyncio.sleep(0.01)
-        self.served = version
         self.loads.append(version)
-        return 0.01
+        if is_offer(path):
+            assert group, "an offer is received in a group"
+            self.groups.append(group)
+        if self.keeps_old_weights:  # answers, but serves what it served before
+            return Loaded(0.01, fingerprint_of_version(self.served))
+        self.served = version
+        return Loaded(0.01, fingerprint_of_version(version))
 
     async def running_requests(self) -> float | None:
         return 0.0 if self.up else None
+
+    async def collective_group(self, replica: int) -> tuple[str, int]:
+        if not await self.healthy():
+            raise RuntimeError("connection refused")
+        return f"r{replica}-p{self.process}", 2
 
 
 class ServerRunner:
@@ -191,8 +207,13 @@ def test_a_replica_slow_to_answer_health_stays_up_while_it_finishes_rollouts(tmp
     asyncio.run(main())
 
 
+def fingerprint_of_version(version: int) -> str:
+    return f"fingerprint-of-v{version}"
+
+
 def publish(run_dir, version: int) -> None:
     weights_path(run_dir, version).mkdir(parents=True)
+    write_fingerprint(weights_path(run_dir, version), fingerprint_of_version(version))
     (weights_path(run_dir, version) / STABLE_MARKER).touch()
 
 
@@ -281,7 +302,7 @@ def test_a_requeued_replica_is_followed_to_its_new_address(tmp_path):
 def test_weights_a_live_replica_keeps_refusing_end_the_run(tmp_path):
     servers, replicas, _, _ = replica_set(2)
 
-    async def refuse(path, version):
+    async def refuse(path, version, group=""):
         raise RuntimeError("primerl_load_weights failed (500): not a stable weight directory")
 
     servers[1].load_weights = refuse  # it answers /health, but will not take the weights
@@ -383,3 +404,86 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     )
     with pytest.raises(RuntimeError, match="no address from inference job 99"):
         stale._address_overrides()  # an earlier attempt's address is not this job's
+
+
+def test_a_replica_that_keeps_its_old_weights_is_caught_loaded_again_and_taken_out_until_it_serves_them(tmp_path):
+    servers, replicas, _, _ = replica_set(2)
+    policy = Policy()
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        servers[1].keeps_old_weights = True  # answers every load, serves v0 still
+        publish(tmp_path, 1)
+        await until(lambda: replicas.up == [True, False])
+        assert policy.version == 1 and servers[0].loads == [1]
+        assert servers[1].loads[:2] == [1, 1] and watcher.mismatches >= 2  # loaded again once, then taken out
+        await asyncio.sleep(0.2)
+        assert replicas.up == [True, False]  # its recovery keeps finding the old weights: it stays out
+        servers[1].keeps_old_weights = False
+        await until(lambda: replicas.up == [True, True])
+        assert servers[1].served == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def offer(run_dir, version: int) -> None:
+    """Stand in for the trainer's collective offer of `version` (its fingerprint written at once, as if sent)."""
+    path = weights_path(run_dir, version)
+    path.mkdir(parents=True)
+    write_json(path / OFFER_FILE, {"id": f"offer-{version}-{time.monotonic_ns()}", "version": version})
+    write_fingerprint(path, fingerprint_of_version(version))
+    (path / STABLE_MARKER).touch()
+
+
+def answer(run_dir, version: int) -> dict | None:
+    path = weights_path(run_dir, version)
+    found = read_json_file(path / RECEIVERS_FILE)
+    return found["groups"] if found and found["offer"] == read_json_file(path / OFFER_FILE)["id"] else None
+
+
+def test_collective_offers_are_answered_and_a_replica_back_from_a_restart_joins_the_next_one(tmp_path):
+    """Every offer gets an answer (the trainer waits for it): the up replicas' groups, none when all serve it
+    already. A restarted replica cannot read a version sent by collective: it joins the next offer, in a group of
+    a new name, and is up once it took it."""
+    servers, replicas, _, _ = replica_set(2)
+    policy = Policy()
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        offer(tmp_path, 1)
+        await until(lambda: policy.version == 1)
+        assert answer(tmp_path, 1) == {"r0-p0": 2, "r1-p0": 2}
+        servers[0].up = False  # killed; its process restarts on the start weights
+        watcher.check_health()
+        await until(lambda: replicas.up == [False, True])
+        servers[0].served, servers[0].process, servers[0].up = 0, 1, True
+        await asyncio.sleep(0.2)
+        assert replicas.up == [False, True]  # v1 went by collective: nothing to load it from
+        offer(tmp_path, 2)
+        await until(lambda: replicas.up == [True, True])
+        assert answer(tmp_path, 2) == {"r1-p0": 2, "r0-p1": 2} and policy.version == 2
+        assert servers[0].served == 2 and servers[0].groups == ["r0-p0", "r0-p1"]
+        # a trainer that restarted offers the version served again: answered, by nobody
+        shutil.rmtree(weights_path(tmp_path, 2))
+        offer(tmp_path, 2)
+        await until(lambda: answer(tmp_path, 2) is not None)
+        assert answer(tmp_path, 2) == {} and servers[1].loads == [1, 2]
+        # every replica down: an offer waits unanswered until one is back to take it
+        for server in servers:
+            server.up = False
+        watcher.check_health()
+        await until(lambda: not watcher.serving)
+        offer(tmp_path, 3)
+        await asyncio.sleep(0.2)
+        assert answer(tmp_path, 3) is None
+        servers[1].served, servers[1].process, servers[1].up = 0, 1, True
+        await until(lambda: replicas.up == [False, True])
+        assert answer(tmp_path, 3) == {"r1-p1": 2} and policy.version == 3 and servers[1].served == 3
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())

@@ -17,6 +17,7 @@ from primerl.model.config import ModelConfig
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.sft.config import SftConfig
 from primerl.trainer.config import ParallelismConfig, TrainerConfig
+from primerl.transport.config import WeightsConfig
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RunConfig:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)  # trainer -> inference (primerl.transport)
     sft: SftConfig = field(default_factory=SftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # python -m primerl.eval
     fork: ForkConfig = field(default_factory=ForkConfig)  # start from another run's checkpoint

@@ -11,6 +11,7 @@ from primerl.config.schema import RunConfig
 from primerl.inference.config import OWNED_VLLM_FLAGS
 from primerl.launch.config import JOB_ROLES
 from primerl.model.config import ModelSource
+from primerl.transport.config import WeightTransport
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
 
@@ -37,7 +38,19 @@ def validate(cfg: RunConfig) -> None:
     """Raise ConfigError on the first field out of its range (declared beside it: primerl.utils.bounds), then on the
     first inconsistency between fields. Checks that need the world size live in `resolve_dp_shard`."""
     check_bounds(cfg)
-    for check in (_orchestrator, _inference, _model, _lora, _data, _parallelism, check_algorithm, _launcher, _ledger):
+    checks = (
+        _orchestrator,
+        _inference,
+        _model,
+        _lora,
+        _data,
+        _parallelism,
+        check_algorithm,
+        _launcher,
+        _ledger,
+        _weights,
+    )
+    for check in checks:
         check(cfg)
 
 
@@ -172,6 +185,24 @@ def _lora(cfg: RunConfig) -> None:
         )
     if cfg.inference.pd.enabled:
         raise ConfigError("model.lora.rank", "prefill/decode servers take no adapters; set inference.pd.enabled=false")
+
+
+def _weights(cfg: RunConfig) -> None:
+    """Collective weights go to whole models on workers that can reach trainer rank 0."""
+    if cfg.weights.transport != WeightTransport.collective:
+        return
+    if cfg.model.lora.enabled:
+        raise ConfigError(
+            "weights.transport", "a LoRA policy is an adapter the servers load from a file; use filesystem"
+        )
+    if cfg.inference.pd.enabled:
+        raise ConfigError("weights.transport", "prefill/decode servers load weights from files only; use filesystem")
+    if cfg.launcher.name == "slurm" and cfg.weights.host is not None and _is_loopback(cfg.weights.host):
+        raise ConfigError(
+            "weights.host",
+            f"{cfg.weights.host} is loopback: inference workers on other nodes cannot reach the trainer there; "
+            "leave it unset (the trainer node's name) or give an address they reach",
+        )
 
 
 def _parallelism(cfg: RunConfig) -> None:

@@ -3,17 +3,28 @@
 Called through vLLM's `/collective_rpc` (dev mode; primerl.inference.guard lets only `primerl_*` methods through).
 Only string arguments cross the wire. Weights are read with safetensors (never a pickle), only from a directory marked
 STABLE, and only from below the run's own weights directory (`WEIGHTS_DIR_ENV`, set by the server's launcher): a
-path anywhere else is refused and logged, so whoever can reach the route cannot load weights of their choosing.
+path anywhere else is refused and logged, so whoever can reach the route cannot load weights of their choosing. A
+directory holding a collective offer (primerl.transport.collective) is received from trainer rank 0 instead, in the
+process group the orchestrator names.
+
+A load answers with JSON: the version now served and the fingerprint of the weights loaded
+(primerl.transport.fingerprint), which the orchestrator compares with the trainer's.
 """
 
+import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from primerl.transport.atomic import STABLE_MARKER
-from primerl.transport.weights import WEIGHTS_DIR_ENV, inside, is_adapter
+from primerl.transport.collective import Offer, WeightReceiver
+from primerl.transport.fingerprint import Fingerprint, tensor_digest
+from primerl.transport.weights import OFFER_FILE, WEIGHTS_DIR_ENV, inside, is_adapter, is_offer
+from primerl.utils.failpoints import failpoint
 
 log = logging.getLogger(__name__)
 IDLE_SPIN_ENV = "PRIMERL_VLLM_IDLE_SPIN_S"  # set by primerl.inference.server from inference.cpu_idle_spin_s
@@ -47,8 +58,11 @@ if os.environ.get(IDLE_SPIN_ENV):  # imported by vLLM in each worker process (--
 
 class PrimerlWorkerExtension:
     primerl_policy_version: int = 0
+    _primerl_receiver: WeightReceiver | None = None
 
-    def primerl_load_weights(self, path: str, version: str) -> str:
+    def primerl_load_weights(self, path: str, version: str, group: str = "") -> str:
+        """Load the version in `path` (a collective offer: received in `group`); answers JSON {version,
+        fingerprint}. Failpoint `worker.keep_old_weights`: take the tensors but load none (a silent no-op load)."""
         root = os.environ.get(WEIGHTS_DIR_ENV)
         if not root or not inside(path, root):
             log.warning(
@@ -63,31 +77,85 @@ class PrimerlWorkerExtension:
             # a LoRA policy: the engine's LoRA manager has loaded the adapter (/v1/load_lora_adapter, which the
             # guard holds to the same directory rules); the workers record the version it is
             self.primerl_policy_version = version_number
-            return str(self.primerl_policy_version)
+            return json.dumps({"version": version_number, "fingerprint": None})
+        tensors = self._primerl_received(folder, group) if is_offer(folder) else self._primerl_read(folder, root)
+        fingerprint = Fingerprint()
+
+        def fingerprinted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in tensors:
+                fingerprint.add(name, tensor)
+                yield name, tensor
+
+        if failpoint("worker.keep_old_weights"):
+            for _ in fingerprinted():
+                pass
+        else:
+            # reload_weights (not model.load_weights): it restores checkpoint-format parameters first and re-runs the
+            # post-load processing, which on CPU repacks linear weights into kernel layout and frees the originals.
+            try:
+                self.model_runner.reload_weights(weights_iterator=fingerprinted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            except BaseException:
+                self._primerl_finish_torn_reload()
+                raise
+            self._primerl_retie_lm_head()
+        self._primerl_served_digests(fingerprint)
+        self.primerl_policy_version = version_number
+        return json.dumps({"version": version_number, "fingerprint": fingerprint.hexdigest()})
+
+    def _primerl_read(self, folder: Path, root: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder} holds no .safetensors files")
         escaping = [file.name for file in files if not inside(file, root)]  # a symlink out of the weights directory
         if escaping:
             log.warning(
-                "primerl: refused to load weights from %s: %s leave the run's weights directory", path, escaping
+                "primerl: refused to load weights from %s: %s leave the run's weights directory", folder, escaping
             )
-            raise PermissionError(f"refused: {', '.join(escaping)} in {path} lead outside the run's weights directory")
+            raise PermissionError(
+                f"refused: {', '.join(escaping)} in {folder} lead outside the run's weights directory"
+            )
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
 
-        def tensors():
-            for file in files:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
+    def _primerl_received(self, folder: Path, group: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if not group:
+            raise ValueError(f"{folder} is a collective offer: a load of it must name the replica's group")
+        offer = Offer.from_json(json.loads((folder / OFFER_FILE).read_text()))
+        world = 1 + self.parallel_config.world_size  # type: ignore[attr-defined]
+        device = torch.device("cuda", torch.cuda.current_device()) if offer.backend == "nccl" else torch.device("cpu")
+        return self._primerl_receiver_().tensors(offer, group, 1 + self.rank, world, device)  # type: ignore[attr-defined]
 
-        # reload_weights (not model.load_weights): it restores checkpoint-format parameters first and re-runs the
-        # post-load processing, which on CPU repacks linear weights into kernel layout and frees the originals.
-        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        self._retie_lm_head()
-        self.primerl_policy_version = version_number
-        return str(self.primerl_policy_version)
+    def _primerl_receiver_(self) -> WeightReceiver:
+        if self._primerl_receiver is None:
+            self._primerl_receiver = WeightReceiver()
+        return self._primerl_receiver
 
-    def _retie_lm_head(self) -> None:
+    def _primerl_served_digests(self, fingerprint: Fingerprint) -> None:
+        """Digest again, from the model itself, each loaded tensor it still holds in checkpoint layout (the norms;
+        the embedding on one rank): the fingerprint then says what is served, not only what arrived."""
+        params = dict(self.model_runner.get_model().named_parameters())  # type: ignore[attr-defined]
+        for name, layout in fingerprint.layouts.items():
+            param = params.get(name)
+            if param is not None and (param.shape, param.dtype) == layout:
+                fingerprint.digests[name] = tensor_digest(name, param.data)
+
+    def _primerl_finish_torn_reload(self) -> None:
+        """A reload that stopped half-way (a transfer that failed) leaves vLLM's layers that got no weights in their
+        restored, loader-wrapped state, and the next reload fails on them. Finish it as vLLM would: the layers with
+        none get their old tensors back, the others are processed. The weights are then a mix of two versions; the
+        orchestrator keeps this server paused until a whole version is loaded."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        try:
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+            self._primerl_retie_lm_head()
+        except Exception:  # beyond repair by a reload: its next load fails too, and the orchestrator keeps it out
+            log.exception("primerl: could not finish a torn reload")
+
+    def _primerl_retie_lm_head(self) -> None:
         """A tied LM head receives no weights of its own, so the reload puts its *old* tensors back; tie it to the
         new embedding again and redo its post-load processing (on CPU that prepares the GEMM kernel)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -100,3 +168,7 @@ class PrimerlWorkerExtension:
 
     def primerl_get_policy_version(self) -> str:
         return str(self.primerl_policy_version)
+
+    def primerl_collective_identity(self) -> str:
+        """This worker's part of its replica's group name: a new process, or a group lost, gives a new one."""
+        return self._primerl_receiver_().identity

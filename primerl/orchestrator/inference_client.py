@@ -4,8 +4,12 @@ All calls are async (httpx) and carry the server's key. A weight update does not
 
     POST /pause?mode=keep&clear_cache=false
                             the engine stops scheduling; running and queued requests freeze where they are, KV kept
-    POST /collective_rpc    primerl_load_weights(path, version) on every worker (reload in place)
+    POST /collective_rpc    primerl_load_weights(path, version, group) on every worker (reload in place; a
+                            collective offer is received in `group`); each answers the fingerprint it serves
     POST /resume            frozen requests continue on the new weights; new requests are scheduled again
+
+A collective load that fails leaves the server paused: its weights may be torn, so nothing is generated on them
+until a later load succeeds (the watcher takes the replica out meanwhile; its frozen requests time out as failures).
 
 A LoRA policy (an adapter directory) is loaded between the same pause and resume by `/v1/load_lora_adapter`, in
 place under the served name, and `primerl_load_weights` then records its version in the workers.
@@ -15,9 +19,11 @@ versions). A request that arrives after the pause never touches KV from older we
 middleware (primerl.inference.cache_salt) salts every request with the number of pauses so far.
 """
 
+import json
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,6 +36,12 @@ from primerl.utils.wait import wait_until_async
 log = get_logger(__name__)
 
 _RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+@dataclass
+class Loaded:
+    seconds: float  # paused, load included
+    fingerprint: str | None  # of the weights the workers serve now (None: an adapter)
 
 
 class InferenceClient:
@@ -103,18 +115,33 @@ class InferenceClient:
             raise RuntimeError(f"workers of {self.base_url} disagree on the policy version: {sorted(versions)}")
         return versions.pop()
 
-    async def load_weights(self, path: str | Path, version: int) -> float:
-        """Pause (keeping in-flight requests), load `path` as policy `version`, resume; returns the seconds paused."""
+    async def collective_group(self, replica: int) -> tuple[str, int]:
+        """(the name, the members) of the process group in which replica `replica` receives collective offers: its
+        workers' identity (new for a new process, or after a failed transfer), trainer rank 0 included."""
+        identities = await self._rpc("primerl_collective_identity")
+        return f"r{replica}-{identities[0]}", len(identities) + 1
+
+    async def load_weights(self, path: str | Path, version: int, group: str = "") -> Loaded:
+        """Pause (keeping in-flight requests), load `path` as policy `version` (a collective offer: in `group`),
+        resume."""
         started = time.perf_counter()
         # clear_cache=false: vLLM's default would preempt every running request and recompute its KV after resume
         (await self.http.post("/pause", params={"mode": "keep", "clear_cache": "false"})).raise_for_status()
+        resume = True
         try:
             if is_adapter(path):
                 await self._load_adapter(path)
-            await self._rpc("primerl_load_weights", str(path), str(version))
+            answers = [json.loads(a) for a in await self._rpc("primerl_load_weights", str(path), str(version), group)]
+        except BaseException:
+            resume = not group  # a collective load that failed may have torn the weights: stay paused
+            raise
         finally:
-            (await self.http.post("/resume")).raise_for_status()
-        return time.perf_counter() - started
+            if resume:
+                (await self.http.post("/resume")).raise_for_status()
+        fingerprints = {answer["fingerprint"] for answer in answers}
+        if len(fingerprints) != 1:
+            raise RuntimeError(f"workers of {self.base_url} serve different weights: {sorted(map(str, fingerprints))}")
+        return Loaded(time.perf_counter() - started, fingerprints.pop())
 
     async def _load_adapter(self, path: str | Path) -> None:
         body = {"lora_name": SERVED_MODEL_NAME, "lora_path": str(path), "load_inplace": True}

@@ -191,6 +191,7 @@ def make_watcher(cfg: RunConfig, replicas: "Replicas", policy: Policy, online_ev
         inf.startup_timeout_s,
         before_load=before_load,
         addresses=addresses,
+        transfer_timeout_s=cfg.weights.timeout_s,
     )
 
 

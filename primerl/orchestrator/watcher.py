@@ -14,6 +14,15 @@ replica is up, admission stops (`serving` false). Invariant: every replica marke
 replica still down after `recovery_timeout_s` ends the run only when no other replica is up. Rollouts that failed
 meanwhile are counted failures; no step is skipped. A recovering replica whose advertised address changed (a
 requeued SLURM inference job on another node or port: `addresses`) is followed there.
+
+Collective offers (primerl.transport.collective): every offer gets an answer, the groups of the replicas that take
+it (none when every replica serves it already), or the trainer would wait for ever. A replica that comes back while
+the others serve a version sent by collective cannot read that version anywhere: it joins the next offer (its
+recovery waits in `_joining`) and is marked up once that load succeeded.
+
+Proof of arrival: each load answers the fingerprint the replica serves; one that differs from the trainer's
+(primerl.transport.weights.published_fingerprint) is logged with both, loaded again (a file; an offer cannot be
+sent twice), and taken out if it still differs: its recovery loads it anew.
 """
 
 import asyncio
@@ -23,10 +32,19 @@ from pathlib import Path
 
 import httpx
 
+from primerl.orchestrator.inference_client import Loaded
 from primerl.orchestrator.replicas import Replicas
 from primerl.orchestrator.types import Policy
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import latest_stable_version
+from primerl.transport.weights import (
+    OFFER_FILE,
+    RECEIVERS_FILE,
+    is_offer,
+    latest_stable_version,
+    published_fingerprint,
+    read_json_file,
+    write_receivers,
+)
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S
@@ -46,6 +64,7 @@ class Watcher:
         on_change: Callable[[], None] = lambda: None,
         before_load: Callable[[int], Awaitable[None]] | None = None,
         addresses: Callable[[], list[str | None] | None] = lambda: None,
+        transfer_timeout_s: float = 300.0,
     ):
         self.run_dir, self.replicas, self.policy = run_dir, replicas, policy
         self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
@@ -54,6 +73,9 @@ class Watcher:
         self.load_s = 0.0  # seconds the slowest replica spent loading weights, summed over loads
         self.loads = 0
         self.recoveries = 0  # replicas brought back, cumulative
+        self.mismatches = 0  # loads whose fingerprint differed from the trainer's, cumulative
+        self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s: how long a sent offer's fingerprint may lag
+        self._joining: dict[int, asyncio.Future[bool]] = {}  # recovering replicas waiting for the next offer
         self._suspect = asyncio.Event()
         self._recovering: dict[int, asyncio.Task] = {}
         self._load_failures = 0
@@ -117,45 +139,131 @@ class Watcher:
         self._start_recoveries()
 
     async def update(self) -> None:
-        """Load the newest published policy into every up replica if it is newer than the one served."""
+        """Load the newest published policy into every up replica (and every joining one) if it is newer than the
+        one served; answer an offer of the version served with the replicas still joining (or none)."""
         latest = latest_stable_version(self.run_dir)
-        if latest is None or latest <= self.policy.version or not self.replicas.serving:
+        if latest is None:
             return
-        if self.before_load is not None:
+        if latest <= self.policy.version:
+            if is_offer(weights_path(self.run_dir, latest)) and not self._answered(latest):
+                await self._load(latest, joining_only=True)
+            return
+        if not self.replicas.serving and not self._joining:
+            return  # an offer stays unanswered (the trainer waits) until a replica is back to take it
+        if self.before_load is not None and self.replicas.serving:
             await self.before_load(self.policy.version)
             latest = latest_stable_version(self.run_dir) or latest  # the trainer may have published more meanwhile
         await self._load(latest)
 
-    async def _load(self, version: int) -> None:
-        up = [i for i in range(len(self.replicas)) if self.replicas.up[i]]
+    def _answered(self, version: int) -> bool:
         path = weights_path(self.run_dir, version)
-        results = await asyncio.gather(
-            *(self.replicas.clients[i].load_weights(path, version) for i in up), return_exceptions=True
+        offer, answer = read_json_file(path / OFFER_FILE), read_json_file(path / RECEIVERS_FILE)
+        return offer is not None and answer is not None and answer["offer"] == offer["id"]
+
+    async def _answer(self, version: int, targets: list[int]) -> dict[int, str]:
+        """Write the answer to offer `version`: the groups of `targets` (those whose group cannot be named are
+        left out and failed). Returns replica -> group name."""
+        path = weights_path(self.run_dir, version)
+        named = await asyncio.gather(
+            *(self.replicas.clients[i].collective_group(i) for i in targets), return_exceptions=True
         )
-        seconds = [r for r in results if isinstance(r, float)]
-        for index, result in zip(up, results, strict=True):
+        groups = {}
+        for index, result in zip(targets, named, strict=True):
             if isinstance(result, BaseException):
-                if (
+                self._fail(index, f"its collective group for v{version} could not be named ({type(result).__name__})")
+            else:
+                groups[index] = result
+        write_receivers(path, read_json_file(path / OFFER_FILE)["id"], dict(groups.values()))
+        return {index: name for index, (name, _) in groups.items()}
+
+    async def _load(self, version: int, joining_only: bool = False) -> None:
+        up = [] if joining_only else [i for i in range(len(self.replicas)) if self.replicas.up[i]]
+        targets = up + [i for i in self._joining if i not in up]
+        path = weights_path(self.run_dir, version)
+        groups = await self._answer(version, targets) if is_offer(path) else {}
+        if is_offer(path):
+            targets = [i for i in targets if i in groups]
+        results = await asyncio.gather(
+            *(self.replicas.clients[i].load_weights(path, version, groups.get(i, "")) for i in targets),
+            return_exceptions=True,
+        )
+        expected = await self._published_fingerprint(path) if targets else None
+        loaded = []
+        for index, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                if not groups and (
                     not isinstance(result, (httpx.HTTPError, RuntimeError))
                     or await self.replicas.clients[index].healthy()
                 ):
                     raise result  # a server that is up and refuses the weights: not a fault to wait out
-                self.replicas.mark_down(index, f"the load of v{version} failed ({type(result).__name__})")
-        if not seconds:
-            return  # every replica went down: recoveries load the newest when they come back
+                self._fail(index, f"the load of v{version} failed ({type(result).__name__}: {result})")
+            elif await self._proven(index, version, result, expected, resend=not groups):
+                loaded.append(result)
+                if index in self._joining:
+                    self._joining.pop(index).set_result(True)
+        if loaded:
+            self._advance(version, max(result.seconds for result in loaded), len(loaded))
+
+    def _advance(self, version: int, seconds: float, count: int) -> None:
+        if version == self.policy.version:
+            return
         log.info(
             "policy v%d -> v%d loaded in flight in %.2fs (%d replica%s)",
             self.policy.version,
             version,
-            max(seconds),
-            len(seconds),
-            "" if len(seconds) == 1 else "s",
+            seconds,
+            count,
+            "" if count == 1 else "s",
         )
         self.policy.version = version
         self._load_failures = 0
-        self.load_s += max(seconds)
+        self.load_s += seconds
         self.loads += 1
         self.on_change()
+
+    def _fail(self, index: int, reason: str) -> None:
+        """Replica `index` did not take a version: a joining one waits for the next offer, an up one is taken out."""
+        if index in self._joining:
+            log.warning(
+                "inference server %s: %s; it joins the next offer", self.replicas.clients[index].base_url, reason
+            )
+            self._joining.pop(index).set_result(False)
+        elif self.replicas.up[index]:
+            self.replicas.mark_down(index, reason)
+
+    async def _published_fingerprint(self, path: Path) -> str | None:
+        """The trainer's fingerprint of the version at `path`; a sent offer's is written once the last bucket left,
+        so it is waited for (at most `transfer_timeout_s`). None: an adapter, or a directory from before
+        fingerprints."""
+        if not is_offer(path):
+            return published_fingerprint(path)
+        deadline = time.monotonic() + self.transfer_timeout_s
+        while (found := published_fingerprint(path)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return found
+
+    async def _proven(self, index: int, version: int, loaded: Loaded, expected: str | None, resend: bool) -> bool:
+        """Whether replica `index` serves the trainer's weights (`expected`) after its load: a mismatch is logged
+        with both values and, for a file, loaded once more; still different, the replica is failed."""
+        if expected is None or loaded.fingerprint == expected:
+            return True
+        self.mismatches += 1
+        client = self.replicas.clients[index]
+        log.warning(
+            "inference server %s serves fingerprint %s after loading v%d, not the trainer's %s%s",
+            client.base_url,
+            loaded.fingerprint,
+            version,
+            expected,
+            ": loading it again" if resend else "",
+        )
+        if resend:
+            again = await client.load_weights(weights_path(self.run_dir, version), version)
+            if again.fingerprint == expected:
+                return True
+            self.mismatches += 1
+        self._fail(index, f"it serves fingerprint {loaded.fingerprint}, not v{version}'s {expected}")
+        return False
 
     def _start_recoveries(self) -> None:
         for index, up in enumerate(self.replicas.up):
@@ -174,6 +282,33 @@ class Watcher:
         if urls and index < len(urls) and urls[index] and urls[index] != self.replicas.clients[index].base_url:
             self.replicas.move(index, urls[index])
 
+    async def _join_next(self, index: int) -> bool:
+        """Wait until the next offer's load included replica `index`; whether it took it."""
+        self._joining[index] = asyncio.get_running_loop().create_future()
+        self._suspect.set()  # wake the loop: an unanswered offer may be waiting for this replica
+        try:
+            return await self._joining[index]
+        finally:
+            self._joining.pop(index, None)
+
+    async def _catch_up(self, index: int, served: int, target: int) -> bool:
+        """Make replica `index` serve `target` (or, when `target` went by collective, the next offer). Returns
+        whether it joined an offer (it then serves `policy.version`)."""
+        client = self.replicas.clients[index]
+        path = weights_path(self.run_dir, target)
+        if is_offer(path):
+            log.warning("the server serves policy v%d; v%d went by collective: it joins the next offer", served, target)
+            while not await self._join_next(index):
+                await client.wait_healthy(self.recovery_timeout_s, lambda: self._follow(index))
+            return True
+        log.warning("the server serves policy v%d, not v%d: reloading", served, target)
+        loaded = await client.load_weights(path, target)
+        expected = published_fingerprint(path)
+        if expected is not None and loaded.fingerprint != expected:
+            self.mismatches += 1
+            raise RuntimeError(f"it serves fingerprint {loaded.fingerprint} after loading v{target}, not {expected}")
+        return False
+
     async def _recover(self, index: int) -> None:
         """Wait for replica `index`, make it serve the policy the others serve, mark it up."""
         client = self.replicas.clients[index]
@@ -184,11 +319,12 @@ class Watcher:
                 # with other replicas up, their version; with none, the newest published (a restart serves v0)
                 target = self.policy.version if self.replicas.serving else (latest_stable_version(self.run_dir) or 0)
                 served = await client.policy_version()
-                if served != target:
-                    log.warning("the server serves policy v%d, not v%d: reloading", served, target)
-                    await client.load_weights(weights_path(self.run_dir, target), target)
+                if served != target and await self._catch_up(index, served, target):
+                    break  # joined an offer: it serves policy.version, which _load set
                 if self.replicas.serving and target != self.policy.version:
                     continue  # the others moved on meanwhile: load theirs
+                if not self.replicas.serving:
+                    self.policy.version = target
                 break
             except RunError:
                 if not self.replicas.serving:
@@ -201,8 +337,6 @@ class Watcher:
             except (httpx.HTTPError, RuntimeError) as err:
                 log.warning("inference server %s: %s; waiting again", client.base_url, err)
                 await asyncio.sleep(1.0)
-        if not self.replicas.serving:
-            self.policy.version = target
         self.replicas.mark_up(index)
         self.recoveries += 1
         log.info("inference server %s is back, serving v%d", client.base_url, self.policy.version)

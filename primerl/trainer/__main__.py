@@ -13,6 +13,7 @@ steps since the last checkpoint are replayed from their stored batches (their fi
 replays the steps since the checkpoint before it (AsyncCheckpointer).
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -31,11 +32,12 @@ from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
 from primerl.trainer.lr_schedule import scheduled_lr
 from primerl.trainer.model_load import AdapterSpec
+from primerl.trainer.publish import Publisher
 from primerl.trainer.trainer import MicroBatch, Trainer
-from primerl.transport.atomic import is_stable
 from primerl.transport.batches import RolloutBatch, read_rollout_batch
-from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
-from primerl.transport.weights import drop_old_version, versions_to_keep
+from primerl.transport.fingerprint import as_metric
+from primerl.transport.run_dir import checkpoint_path, rollout_path
+from primerl.transport.weights import versions_to_keep
 from primerl.utils.errors import RunError, writing
 from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until
@@ -59,15 +61,7 @@ def rank_micro_batches(micro: list[MicroBatch], dp_rank: int, dp: int) -> list[M
     return mine
 
 
-def publish(trainer: Trainer, run_dir: Path, version: int, keep: int | None) -> None:
-    """Collective: write policy `version` for the inference server; with `keep`, drop the version it can no longer
-    need (the newest `keep` stay: primerl.transport.weights.versions_to_keep)."""
-    trainer.export(weights_path(run_dir, version))
-    if keep is not None and trainer.info.is_main:
-        drop_old_version(run_dir, version, keep)
-
-
-def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
+def resume(trainer: Trainer, publisher: Publisher, run_dir: Path) -> tuple[int, set[int]]:
     """(the step to train next, the steps that already have a metrics row). Restores the newest checkpoint, the
     metrics row its writer died before appending, and the weights it died before publishing."""
     start = latest_checkpoint(run_dir) or 0
@@ -78,8 +72,7 @@ def resume(trainer: Trainer, run_dir: Path) -> tuple[int, set[int]]:
         state = trainer.restore(checkpoint_path(run_dir, start))
         if trainer.info.is_main and start - 1 not in logged:  # the predecessor died between checkpoint and metrics
             append_metrics(run_dir, TRAINER, start - 1, state["metrics"])
-        if not is_stable(weights_path(run_dir, start)):  # killed between checkpoint and publish
-            publish(trainer, run_dir, start, keep=None)  # the next publish drops what is no longer needed
+        publisher.republish(start)  # killed between checkpoint and publish, or an offer whose sender is gone
     if trainer.info.is_main:
         source = checkpoint_path(run_dir, start) if start else trainer.base
         fresh = " (its weights only: the optimizer starts fresh)" if start and state.get("weights_only") else ""
@@ -127,6 +120,7 @@ def last_step(cfg: TrainerConfig) -> int:
 
 def save(
     trainer: Trainer,
+    publisher: Publisher,
     checkpointer: Checkpointer,
     cfg: TrainerConfig,
     run_dir: Path,
@@ -141,12 +135,13 @@ def save(
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == last_step(cfg):
             checkpointer.save(trainer.model, trainer.optimizer, step + 1, metrics)
         published_at = time.perf_counter()
-        publish(trainer, run_dir, step + 1, keep)
-    return {
+        fingerprint = publisher.publish(step + 1, keep)
+    timings = {
         TrainerMetric.CHECKPOINT_S: published_at - started,
         TrainerMetric.PUBLISH_S: time.perf_counter() - published_at,
         TrainerMetric.SAVE_S: time.perf_counter() - started,  # checkpoint + publish
     }
+    return timings | ({TrainerMetric.WEIGHTS_FINGERPRINT: as_metric(fingerprint)} if fingerprint else {})
 
 
 def train(cfg: RunConfig, info: DistInfo) -> None:
@@ -162,7 +157,9 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     trainer = Trainer.build(
         base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype, reference, adapter=adapter
     )
-    start, logged = resume(trainer, run_dir)
+    under_slurm = "SLURM_JOB_ID" in os.environ
+    publisher = Publisher(trainer, run_dir, cfg.weights, last_step(tcfg), under_slurm)
+    start, logged = resume(trainer, publisher, run_dir)
     with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
         for step in range(start, last_step(tcfg)):  # the last checkpoint is STABLE before the `with` ends
             path, waited = wait_for_batch(run_dir, step)
@@ -182,7 +179,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
                 TrainerMetric.READ_BATCH_S: read_s,
                 TrainerMetric.TOKENS_PER_S: sum(mb["input_ids"].numel() for mb in batch.micro_batches) / step_s,
             }
-            metrics |= save(trainer, checkpointer, tcfg, run_dir, step, metrics, versions_to_keep(batch.async_level))
+            keep = versions_to_keep(batch.async_level)
+            metrics |= save(trainer, publisher, checkpointer, tcfg, run_dir, step, metrics, keep)
             if info.is_main:
                 report(run_dir, step, metrics, replayed=step in logged)
 

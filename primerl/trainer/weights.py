@@ -3,13 +3,18 @@ a directory is complete iff it holds the STABLE marker, so a crash half-way leav
 """
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
-from primerl.transport.atomic import atomic_dir
+from primerl.transport.atomic import atomic_dir, write_json
+from primerl.transport.collective import TensorSpec, spec_of
+from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.weights import FINGERPRINT_FILE
 
 _COPIED_FILES = (
     "config.json",
@@ -47,8 +52,34 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
+def _tied(model: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def export_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
+    """What `export_stream` yields, in its order, from the shapes alone (nothing is gathered)."""
+    specs = []
+    for name, value in get_model_state_dict(model).items():
+        if _tied(model) and name == "lm_head.weight":
+            continue
+        meta = torch.empty(value.shape, dtype=dtype, device="meta")
+        specs += [spec_of(key, tensor) for key, tensor in per_expert_tensors({name: meta}).items()]
+    return specs
+
+
+def export_stream(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective (every rank iterates it in step): the model's tensors in checkpoint layout and `dtype` (per-expert
+    tensors, no tied head), gathered one parameter at a time, so no rank holds the whole model unsharded."""
+    for name, value in get_model_state_dict(model).items():
+        if _tied(model) and name == "lm_head.weight":
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        yield from per_expert_tensors({name: full.detach().to(dtype)}).items()
+
+
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `state_dict` as model.safetensors plus the base model's config and tokenizer files, atomically."""
+    """Write `state_dict` as model.safetensors plus the base model's config and tokenizer files and the weights'
+    fingerprint (FINGERPRINT_FILE: primerl.transport.fingerprint), atomically."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
         if tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr() or torch.equal(
@@ -61,4 +92,5 @@ def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], base_dir: str | Path
         for name in _COPIED_FILES:
             if (Path(base_dir) / name).exists():
                 shutil.copy2(Path(base_dir) / name, staging / name)
+        write_json(staging / FINGERPRINT_FILE, {"fingerprint": fingerprint_of(tensors)})
     return Path(out_dir)

