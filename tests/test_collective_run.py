@@ -21,7 +21,8 @@ from tests.test_faults import _vllm_pids
 from tests.test_rl_e2e import _kill_child, _train_cmd
 
 pytestmark = pytest.mark.long
-REPLICAS, STEPS = 2, 8
+REPLICAS = 2
+LONG = 500  # the first run's steps: more than it reaches before its trainer is killed, however slow the restart
 
 
 def _wait(condition, what: str, train: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -42,17 +43,18 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
         "eval.every=0",
         "ledger=none",
     )
-    cmd = _train_cmd(run, *overrides, steps=STEPS)
     orchestrator_log = run / "logs" / "orchestrator.log"
-    train = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    train = subprocess.Popen(
+        _train_cmd(run, *overrides, steps=LONG), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait(lambda: len(read_metrics(run, "trainer")) >= 2, "2 trainer steps", train)
         for pid in _vllm_pids(port):  # replica 0's whole server, mid-run
             if os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
         _wait(lambda: f"127.0.0.1:{port} is back" in orchestrator_log.read_text(), "replica 0 back", train)
-        killed_after = len(read_metrics(run, "trainer"))
-        assert killed_after < STEPS, "the run ended before the trainer could be killed: give it more steps"
+        back_at = len(read_metrics(run, "trainer"))
+        _wait(lambda: len(read_metrics(run, "trainer")) >= back_at + 2, "2 steps with both replicas", train)
         _kill_child(train, run, "primerl.trainer")
     finally:
         if train.poll() is None:
@@ -60,20 +62,23 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
     first_log = orchestrator_log.read_text()
     assert re.search(r"the server serves policy v0; v\d+ went by collective: it joins the next offer", first_log)
 
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # the same command resumes it, shortened to 4 steps past where it stopped
+    steps = len(read_metrics(run, "trainer")) + 4
+    shorter = (*overrides, "allow_changes=[trainer.max_steps]")
+    result = subprocess.run(
+        _train_cmd(run, *shorter, steps=steps), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run, "trainer")
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(steps))
     assert all(r[TrainerMetric.WEIGHTS_FINGERPRINT] for r in rows)  # every published version has one
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert trainer_log.count("collective weights: listening at 127.0.0.1:") == 2  # one sender per trainer start
     assert re.search(r"v\d+ sent to 2 replica group\(s\) in [\d.]+s \(\d+ bucket\(s\)\)", trainer_log)
-    orchestrator_log_text = orchestrator_log.read_text()
-    assert "serves fingerprint" not in orchestrator_log_text  # every load proved what it serves
-    assert f"policy v{STEPS - 1} -> v{STEPS} loaded in flight" in orchestrator_log_text
+    assert "serves fingerprint" not in orchestrator_log.read_text()  # every load proved what it serves
     # the last version is the run's product: whole weights on disk; the ones before it went by collective
-    assert latest_stable_version(run) == STEPS and not is_offer(weights_path(run, STEPS))
-    sent = [v for v in range(1, STEPS) if is_stable(weights_path(run, v))]
+    assert latest_stable_version(run) == steps and not is_offer(weights_path(run, steps))
+    sent = [v for v in range(1, steps) if is_stable(weights_path(run, v))]
     assert sent and all(is_offer(weights_path(run, v)) for v in sent)
     groups = read_json_file(weights_path(run, sent[-1]) / RECEIVERS_FILE)["groups"]
     assert sorted(name.split("-")[0] for name in groups) == ["r0", "r1"] and set(groups.values()) == {2}

@@ -28,7 +28,7 @@ from primerl.model.resolve import prepare_base_model
 from primerl.model.start import prepare_start_adapter
 from primerl.model.tiny import build_tiny_model
 from primerl.orchestrator.inference_client import InferenceClient
-from primerl.transport.atomic import STABLE_MARKER, is_stable
+from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, is_adapter
 from primerl.utils.process import free_port
@@ -188,7 +188,17 @@ def test_two_vllm_replicas_serve_the_adapter_and_load_each_new_one_in_flight_as_
         outside = _perturbed_adapter(start, cfg.model.lora, base, tmp_path.parent / f"{tmp_path.name}-outside", 3)
         unstable = _perturbed_adapter(start, cfg.model.lora, base, weights_path(tmp_path, 4), 4)
         (unstable / STABLE_MARKER).unlink()
-        for path, why in ((outside, "below the run's weights directory"), (unstable, "not a stable")):
+        escaping = weights_path(tmp_path, 5)  # inside and STABLE, but its weights are a symlink out of the run
+        with atomic_dir(escaping) as staging:
+            for file in outside.iterdir():
+                if file.name != STABLE_MARKER:
+                    (staging / file.name).symlink_to(file)
+        refusals = (
+            (outside, "not inside the run's weights directory"),
+            (unstable, "not a stable"),
+            (escaping, "lead outside the run's weights directory"),
+        )
+        for path, why in refusals:
             body = {"lora_name": SERVED_MODEL_NAME, "lora_path": str(path), "load_inplace": True}
             refused = httpx.post(f"{urls[0]}/v1/load_lora_adapter", json=body, timeout=30)
             assert refused.status_code == 403 and why in refused.text

@@ -33,6 +33,7 @@ class FakeServer:
         self.served = 0
         self.loads: list[int] = []
         self.keeps_old_weights = False
+        self.load_s = 0.01
         self.process = 0  # its workers' process: a restart gives its collective group a new name
         self.groups: list[str] = []  # the groups its collective loads were received in
 
@@ -59,7 +60,7 @@ class FakeServer:
     async def load_weights(self, path, version: int, group: str = "") -> Loaded:
         if not await self.healthy():
             raise RuntimeError("connection refused")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.load_s)
         self.loads.append(version)
         if is_offer(path):
             assert group, "an offer is received in a group"
@@ -485,5 +486,24 @@ def test_collective_offers_are_answered_and_a_replica_back_from_a_restart_joins_
         assert answer(tmp_path, 3) == {"r1-p1": 2} and policy.version == 3 and servers[1].served == 3
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_watcher_stopped_after_answering_an_offer_still_takes_it(tmp_path):
+    """The orchestrator ends (its watcher is cancelled) right after answering an offer: the loads it answered for
+    still happen, or the trainer would wait for workers that never join."""
+    servers, replicas, _, _ = replica_set(2)
+    for server in servers:
+        server.load_s = 0.5
+    watcher = Watcher(tmp_path, replicas, Policy(), 0.01, 5.0)
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        offer(tmp_path, 1)
+        await until(lambda: answer(tmp_path, 1) is not None)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert [server.served for server in servers] == [1, 1]
 
     asyncio.run(main())

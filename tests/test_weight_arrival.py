@@ -17,7 +17,7 @@ from primerl.transport.atomic import atomic_dir, write_json
 from primerl.transport.collective import WeightSender, plan_buckets, spec_of
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, published_fingerprint, write_fingerprint, write_receivers
+from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, write_fingerprint
 from tests.served import API_KEY, client_call, client_of, generate, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
@@ -57,7 +57,7 @@ async def deliver(srv, sender, made, tensors, stop_after=None):
     """What the orchestrator does with an offer (name the group, answer, load) beside the trainer's send."""
     async with client_of(srv) as client:
         group, members = await client.collective_group(0)
-        write_receivers(weights_path(srv.run_dir, made.version), made.id, {group: members})
+        answer_offer(weights_path(srv.run_dir, made.version), made.id, {group: members})
         sending = threading.Thread(target=send, args=(srv.run_dir, sender, made, tensors, {group: members}, stop_after))
         sending.start()
         try:

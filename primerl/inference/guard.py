@@ -23,11 +23,9 @@ import hashlib
 import json
 import os
 import secrets
-from pathlib import Path
 
-from primerl.transport.atomic import STABLE_MARKER
 from primerl.transport.identity import SERVER_ID_ENV, SERVER_ID_HEADER
-from primerl.transport.weights import WEIGHTS_DIR_ENV, inside
+from primerl.transport.weights import WEIGHTS_DIR_ENV, weights_dir_refusal
 
 API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
 OPEN_PATHS = frozenset({"/health"})  # load balancers and the launcher probe it without a key
@@ -58,15 +56,12 @@ def route_allowed(path: str) -> bool:
 
 
 def adapter_refusal(request: object) -> str | None:
-    """Why a `/v1/load_lora_adapter` body may not be loaded, or None: its `lora_path` must be a STABLE directory
-    below the run's weights directory (`WEIGHTS_DIR_ENV`)."""
-    root = os.environ.get(WEIGHTS_DIR_ENV)
+    """Why a `/v1/load_lora_adapter` body may not be loaded, or None: its `lora_path` must pass the rule every weight
+    load passes (primerl.transport.weights.weights_dir_refusal)."""
     path = request.get("lora_path") if isinstance(request, dict) else None
-    if not root or not isinstance(path, str) or not inside(path, root):
-        return f"adapters load only from below the run's weights directory ({root})"
-    if not (Path(path) / STABLE_MARKER).is_file():
-        return f"{path} is not a stable weights directory (no {STABLE_MARKER} marker)"
-    return None
+    if not isinstance(path, str):
+        return "a lora_path naming a directory below the run's weights directory is required"
+    return weights_dir_refusal(path, os.environ.get(WEIGHTS_DIR_ENV))
 
 
 async def read_body(receive) -> bytes:

@@ -1,9 +1,9 @@
 """Methods added to every vLLM worker (`--worker-extension-cls`) for in-place weight loads.
 
 Called through vLLM's `/collective_rpc` (dev mode; primerl.inference.guard lets only `primerl_*` methods through).
-Only string arguments cross the wire. Weights are read with safetensors (never a pickle), only from a directory marked
-STABLE, and only from below the run's own weights directory (`WEIGHTS_DIR_ENV`, set by the server's launcher): a
-path anywhere else is refused and logged, so whoever can reach the route cannot load weights of their choosing. A
+Only string arguments cross the wire. Weights are read with safetensors (never a pickle), only from a directory the
+rule of primerl.transport.weights.weights_dir_refusal allows (STABLE, below the run's own weights directory
+`WEIGHTS_DIR_ENV`, no symlink out of it): anything else is refused and logged. A
 directory holding a collective offer (primerl.transport.collective) is received from trainer rank 0 instead, in the
 process group the orchestrator names.
 
@@ -14,16 +14,16 @@ A load answers with JSON: the version now served and the fingerprint of the weig
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from primerl.transport.atomic import STABLE_MARKER
 from primerl.transport.collective import Offer, WeightReceiver
 from primerl.transport.fingerprint import Fingerprint, tensor_digest
-from primerl.transport.weights import OFFER_FILE, WEIGHTS_DIR_ENV, inside, is_adapter, is_offer
+from primerl.transport.weights import OFFER_FILE, WEIGHTS_DIR_ENV, is_adapter, is_offer, weights_dir_refusal
 from primerl.utils.failpoints import failpoint
 
 log = logging.getLogger(__name__)
@@ -56,29 +56,32 @@ if os.environ.get(IDLE_SPIN_ENV):  # imported by vLLM in each worker process (--
     shorten_idle_spin(float(os.environ[IDLE_SPIN_ENV]))
 
 
+def _killed_after_the_first(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, tensor
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class PrimerlWorkerExtension:
     primerl_policy_version: int = 0
     _primerl_receiver: WeightReceiver | None = None
 
     def primerl_load_weights(self, path: str, version: str, group: str = "") -> str:
         """Load the version in `path` (a collective offer: received in `group`); answers JSON {version,
-        fingerprint}. Failpoint `worker.keep_old_weights`: take the tensors but load none (a silent no-op load)."""
-        root = os.environ.get(WEIGHTS_DIR_ENV)
-        if not root or not inside(path, root):
-            log.warning(
-                "primerl: refused to load weights from %s: not inside the run's weights directory %s", path, root
-            )
-            raise PermissionError(f"refused: {path} is not inside the run's weights directory ({root})")
+        fingerprint}. Failpoints (primerl.utils.failpoints): `worker.keep_old_weights` takes the tensors but loads
+        none (a silent no-op load); `worker.die_mid_transfer` kills this worker once a collective transfer began."""
+        refusal = weights_dir_refusal(path, os.environ.get(WEIGHTS_DIR_ENV))
+        if refusal is not None:
+            log.warning("primerl: refused to load weights from %s: %s", path, refusal)
+            raise PermissionError(f"refused: {refusal}")
         folder = Path(path)
-        if not (folder / STABLE_MARKER).exists():
-            raise ValueError(f"{folder} is not a stable weight directory (no {STABLE_MARKER} marker)")
         version_number = int(version)  # a bad version fails here, before any weight is touched
         if is_adapter(folder):
             # a LoRA policy: the engine's LoRA manager has loaded the adapter (/v1/load_lora_adapter, which the
             # guard holds to the same directory rules); the workers record the version it is
             self.primerl_policy_version = version_number
             return json.dumps({"version": version_number, "fingerprint": None})
-        tensors = self._primerl_received(folder, group) if is_offer(folder) else self._primerl_read(folder, root)
+        tensors = self._primerl_received(folder, group) if is_offer(folder) else self._primerl_read(folder)
         fingerprint = Fingerprint()
 
         def fingerprinted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -102,18 +105,10 @@ class PrimerlWorkerExtension:
         self.primerl_policy_version = version_number
         return json.dumps({"version": version_number, "fingerprint": fingerprint.hexdigest()})
 
-    def _primerl_read(self, folder: Path, root: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def _primerl_read(self, folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder} holds no .safetensors files")
-        escaping = [file.name for file in files if not inside(file, root)]  # a symlink out of the weights directory
-        if escaping:
-            log.warning(
-                "primerl: refused to load weights from %s: %s leave the run's weights directory", folder, escaping
-            )
-            raise PermissionError(
-                f"refused: {', '.join(escaping)} in {folder} lead outside the run's weights directory"
-            )
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
@@ -125,7 +120,10 @@ class PrimerlWorkerExtension:
         offer = Offer.from_json(json.loads((folder / OFFER_FILE).read_text()))
         world = 1 + self.parallel_config.world_size  # type: ignore[attr-defined]
         device = torch.device("cuda", torch.cuda.current_device()) if offer.backend == "nccl" else torch.device("cpu")
-        return self._primerl_receiver_().tensors(offer, group, 1 + self.rank, world, device)  # type: ignore[attr-defined]
+        received = self._primerl_receiver_().tensors(offer, group, 1 + self.rank, world, device)  # type: ignore[attr-defined]
+        if failpoint("worker.die_mid_transfer"):  # the chaos soak: this worker is killed -9 once tensors arrive
+            return _killed_after_the_first(received)
+        return received
 
     def _primerl_receiver_(self) -> WeightReceiver:
         if self._primerl_receiver is None:

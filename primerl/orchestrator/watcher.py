@@ -32,18 +32,14 @@ from pathlib import Path
 
 import httpx
 
-from primerl.orchestrator.inference_client import Loaded
+from primerl.orchestrator.arrival import Arrival
 from primerl.orchestrator.replicas import Replicas
 from primerl.orchestrator.types import Policy
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import (
-    OFFER_FILE,
-    RECEIVERS_FILE,
     is_offer,
     latest_stable_version,
     published_fingerprint,
-    read_json_file,
-    write_receivers,
 )
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
@@ -73,13 +69,18 @@ class Watcher:
         self.load_s = 0.0  # seconds the slowest replica spent loading weights, summed over loads
         self.loads = 0
         self.recoveries = 0  # replicas brought back, cumulative
-        self.mismatches = 0  # loads whose fingerprint differed from the trainer's, cumulative
-        self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s: how long a sent offer's fingerprint may lag
+        self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s
+        self.arrival = Arrival(run_dir, replicas.clients, transfer_timeout_s)
         self._joining: dict[int, asyncio.Future[bool]] = {}  # recovering replicas waiting for the next offer
         self._suspect = asyncio.Event()
         self._recovering: dict[int, asyncio.Task] = {}
         self._load_failures = 0
         self._last_probe = time.monotonic()
+
+    @property
+    def mismatches(self) -> int:
+        """Loads whose fingerprint differed from the trainer's, cumulative."""
+        return self.arrival.mismatches
 
     @property
     def serving(self) -> bool:
@@ -100,7 +101,7 @@ class Watcher:
                         self._suspect.clear()
                         last_health = time.monotonic()
                         await self.probe()
-                    await self.update()
+                    await self._to_the_end(self.update())
                 except (httpx.HTTPError, RuntimeError) as err:
                     self._load_failures += 1
                     if self._load_failures >= MAX_LOAD_FAILURES:
@@ -119,6 +120,17 @@ class Watcher:
         finally:
             for task in self._recovering.values():
                 task.cancel()
+
+    async def _to_the_end(self, update: Awaitable[None]) -> None:
+        """Run an update to its end even when the watcher is cancelled meanwhile (the orchestrator is done): an offer
+        it answered must be taken, or the trainer would wait for workers that never join. Bounded by the
+        transfer's own limits; then the cancellation goes through."""
+        task = asyncio.ensure_future(update)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task], timeout=2 * self.transfer_timeout_s + 30)
+            raise
 
     async def probe(self) -> None:
         """Mark down every up replica that refuses /health or has been silent past the liveness limit."""
@@ -145,7 +157,7 @@ class Watcher:
         if latest is None:
             return
         if latest <= self.policy.version:
-            if is_offer(weights_path(self.run_dir, latest)) and not self._answered(latest):
+            if is_offer(weights_path(self.run_dir, latest)) and not self.arrival.answered(latest):
                 await self._load(latest, joining_only=True)
             return
         if not self.replicas.serving and not self._joining:
@@ -155,39 +167,18 @@ class Watcher:
             latest = latest_stable_version(self.run_dir) or latest  # the trainer may have published more meanwhile
         await self._load(latest)
 
-    def _answered(self, version: int) -> bool:
-        path = weights_path(self.run_dir, version)
-        offer, answer = read_json_file(path / OFFER_FILE), read_json_file(path / RECEIVERS_FILE)
-        return offer is not None and answer is not None and answer["offer"] == offer["id"]
-
-    async def _answer(self, version: int, targets: list[int]) -> dict[int, str]:
-        """Write the answer to offer `version`: the groups of `targets` (those whose group cannot be named are
-        left out and failed). Returns replica -> group name."""
-        path = weights_path(self.run_dir, version)
-        named = await asyncio.gather(
-            *(self.replicas.clients[i].collective_group(i) for i in targets), return_exceptions=True
-        )
-        groups = {}
-        for index, result in zip(targets, named, strict=True):
-            if isinstance(result, BaseException):
-                self._fail(index, f"its collective group for v{version} could not be named ({type(result).__name__})")
-            else:
-                groups[index] = result
-        write_receivers(path, read_json_file(path / OFFER_FILE)["id"], dict(groups.values()))
-        return {index: name for index, (name, _) in groups.items()}
-
     async def _load(self, version: int, joining_only: bool = False) -> None:
         up = [] if joining_only else [i for i in range(len(self.replicas)) if self.replicas.up[i]]
         targets = up + [i for i in self._joining if i not in up]
         path = weights_path(self.run_dir, version)
-        groups = await self._answer(version, targets) if is_offer(path) else {}
+        groups = await self.arrival.answer(version, targets, self._fail) if is_offer(path) else {}
         if is_offer(path):
             targets = [i for i in targets if i in groups]
         results = await asyncio.gather(
             *(self.replicas.clients[i].load_weights(path, version, groups.get(i, "")) for i in targets),
             return_exceptions=True,
         )
-        expected = await self._published_fingerprint(path) if targets else None
+        expected = await self.arrival.expected(path) if targets else None
         loaded = []
         for index, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
@@ -197,7 +188,7 @@ class Watcher:
                 ):
                     raise result  # a server that is up and refuses the weights: not a fault to wait out
                 self._fail(index, f"the load of v{version} failed ({type(result).__name__}: {result})")
-            elif await self._proven(index, version, result, expected, resend=not groups):
+            elif await self.arrival.proven(index, version, result, expected, not groups, self._fail):
                 loaded.append(result)
                 if index in self._joining:
                     self._joining.pop(index).set_result(True)
@@ -230,40 +221,6 @@ class Watcher:
             self._joining.pop(index).set_result(False)
         elif self.replicas.up[index]:
             self.replicas.mark_down(index, reason)
-
-    async def _published_fingerprint(self, path: Path) -> str | None:
-        """The trainer's fingerprint of the version at `path`; a sent offer's is written once the last bucket left,
-        so it is waited for (at most `transfer_timeout_s`). None: an adapter, or a directory from before
-        fingerprints."""
-        if not is_offer(path):
-            return published_fingerprint(path)
-        deadline = time.monotonic() + self.transfer_timeout_s
-        while (found := published_fingerprint(path)) is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return found
-
-    async def _proven(self, index: int, version: int, loaded: Loaded, expected: str | None, resend: bool) -> bool:
-        """Whether replica `index` serves the trainer's weights (`expected`) after its load: a mismatch is logged
-        with both values and, for a file, loaded once more; still different, the replica is failed."""
-        if expected is None or loaded.fingerprint == expected:
-            return True
-        self.mismatches += 1
-        client = self.replicas.clients[index]
-        log.warning(
-            "inference server %s serves fingerprint %s after loading v%d, not the trainer's %s%s",
-            client.base_url,
-            loaded.fingerprint,
-            version,
-            expected,
-            ": loading it again" if resend else "",
-        )
-        if resend:
-            again = await client.load_weights(weights_path(self.run_dir, version), version)
-            if again.fingerprint == expected:
-                return True
-            self.mismatches += 1
-        self._fail(index, f"it serves fingerprint {loaded.fingerprint}, not v{version}'s {expected}")
-        return False
 
     def _start_recoveries(self) -> None:
         for index, up in enumerate(self.replicas.up):
@@ -305,7 +262,7 @@ class Watcher:
         loaded = await client.load_weights(path, target)
         expected = published_fingerprint(path)
         if expected is not None and loaded.fingerprint != expected:
-            self.mismatches += 1
+            self.arrival.mismatches += 1
             raise RuntimeError(f"it serves fingerprint {loaded.fingerprint} after loading v{target}, not {expected}")
         return False
 

@@ -158,7 +158,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
         base, info, tcfg.optim, tcfg, cp, cfg.parallelism.ep, cfg.model.dtype, reference, adapter=adapter
     )
     under_slurm = "SLURM_JOB_ID" in os.environ
-    publisher = Publisher(trainer, run_dir, cfg.weights, last_step(tcfg), under_slurm)
+    last_batch = rollout_path(run_dir, tcfg.max_steps - 1)
+    publisher = Publisher(trainer, run_dir, cfg.weights, last_step(tcfg), under_slurm, last_batch.exists)
     start, logged = resume(trainer, publisher, run_dir)
     with make_checkpointer(run_dir, tcfg.keep_checkpoints, info.is_main, tcfg.checkpoint_async) as checkpointer:
         for step in range(start, last_step(tcfg)):  # the last checkpoint is STABLE before the `with` ends

@@ -7,12 +7,15 @@
   and the orchestrator's last load (the final online eval) reads it there.
 
 Every rank calls `publish` (gathers are collective). Each rank waits for the orchestrator's answer to an offer by
-reading the run directory, as it waits for batches, so no rank blocks in a collective while rank 0 waits.
+reading the run directory, as it waits for batches, so no rank blocks in a collective while rank 0 waits. An offer
+made after the orchestrator wrote its last batch (it answers no more) is withdrawn by rank 0: the first answer in
+place stands (primerl.transport.weights.answer_offer), so a withdrawal and a late answer cannot both act.
 """
 
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import (
     OFFER_FILE,
     RECEIVERS_FILE,
+    answer_offer,
     drop_old_version,
     is_offer,
     published_fingerprint,
@@ -47,8 +51,19 @@ def sender_host(cfg: WeightsConfig, under_slurm: bool) -> str:
 
 
 class Publisher:
-    def __init__(self, trainer: Trainer, run_dir: Path, cfg: WeightsConfig, last_version: int, under_slurm: bool):
+    def __init__(
+        self,
+        trainer: Trainer,
+        run_dir: Path,
+        cfg: WeightsConfig,
+        last_version: int,
+        under_slurm: bool,
+        orchestrator_done: Callable[[], bool] = lambda: False,
+    ):
+        """`last_version`: the run's last, published as files. `orchestrator_done`: whether the orchestrator has
+        written its last batch (then no offer will be answered)."""
         self.trainer, self.run_dir, self.cfg, self.last_version = trainer, run_dir, cfg, last_version
+        self.orchestrator_done = orchestrator_done
         self.sender = None
         if cfg.transport == WeightTransport.collective and trainer.info.is_main:
             backend = "nccl" if trainer.info.device.type == "cuda" else "gloo"
@@ -109,18 +124,28 @@ class Publisher:
         if self.sender is None:
             return None
         write_fingerprint(path, fingerprint.hexdigest())
-        log.info(
-            f"v{version} sent to {len(self.sender.groups)} replica group(s) in {time.perf_counter() - started:.2f}s "
-            f"({len(buckets)} bucket(s))"
-        )
+        if self.sender.groups:
+            log.info(
+                f"v{version} sent to {len(self.sender.groups)} replica group(s) in "
+                f"{time.perf_counter() - started:.2f}s ({len(buckets)} bucket(s))"
+            )
+        else:
+            log.info(f"v{version} went to no replica (each serves it already, or no rollout can use it any more)")
         return fingerprint.hexdigest()
 
     def _answer(self, offer: Offer, path: Path) -> dict[str, int]:
-        """The orchestrator's answer to `offer`: the replica groups that take it (name -> members)."""
+        """The orchestrator's answer to `offer`: the replica groups that take it (name -> members). Once the
+        orchestrator has written its last batch no rollout can use the version: rank 0 withdraws the offer (an
+        answer of no groups), unless the orchestrator's answer came first."""
 
         def answered() -> bool:
             found = read_json_file(path / RECEIVERS_FILE)
-            return found is not None and found["offer"] == offer.id
+            if found is not None and found["offer"] == offer.id:
+                return True
+            if self.sender is not None and self.orchestrator_done():
+                answer_offer(path, offer.id, {})
+                return True
+            return False
 
         what = f"the orchestrator to take v{offer.version} ({path / RECEIVERS_FILE})"
         wait_until(answered, what, poll_s=0.05, max_poll_s=0.5, note_every_s=60)

@@ -14,10 +14,12 @@ reproduce. This module imports no torch: vLLM's workers and the orchestrator imp
 """
 
 import json
+import os
 import shutil
+import uuid
 from pathlib import Path
 
-from primerl.transport.atomic import latest_stable, write_json
+from primerl.transport.atomic import STABLE_MARKER, TEMPORARY_PREFIX, latest_stable, write_json
 from primerl.transport.run_dir import weights_path, weights_root
 
 SERVED_MODEL_NAME = "policy"
@@ -47,10 +49,22 @@ def read_json_file(path: str | Path) -> dict | None:
         return None
 
 
-def write_receivers(version_dir: str | Path, offer_id: str, groups: dict[str, int]) -> None:
-    """Answer the offer `offer_id` in `version_dir`: the replica groups (name -> members, trainer rank 0 included)
-    that will join and receive it."""
-    write_json(Path(version_dir) / RECEIVERS_FILE, {"offer": offer_id, "groups": groups})
+def answer_offer(version_dir: str | Path, offer_id: str, groups: dict[str, int]) -> dict[str, int]:
+    """Answer the offer `offer_id` in `version_dir` with the replica groups that take it (name -> members, trainer
+    rank 0 included), unless it has an answer already: the first answer stands (written whole, then linked into
+    place, which fails if one is there), so the orchestrator's answer and the trainer's withdrawal (no groups) cannot
+    both be acted on. Returns the groups of the answer that stands."""
+    folder = Path(version_dir)
+    temporary = folder / f"{TEMPORARY_PREFIX}{RECEIVERS_FILE}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary.write_text(json.dumps({"offer": offer_id, "groups": groups}))
+    try:
+        os.link(temporary, folder / RECEIVERS_FILE)
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
+    standing = read_json_file(folder / RECEIVERS_FILE)
+    return dict(standing["groups"]) if standing and standing["offer"] == offer_id else {}
 
 
 def write_fingerprint(version_dir: str | Path, fingerprint: str) -> None:
@@ -72,6 +86,21 @@ def inside(path: str | Path, root: str | Path) -> bool:
     """Whether `path` lies strictly below `root` once both are resolved (`..` and symlinks followed)."""
     path, root = Path(path).resolve(), Path(root).resolve()
     return path != root and path.is_relative_to(root)
+
+
+def weights_dir_refusal(path: str | Path, root: str | Path | None) -> str | None:
+    """Why an inference server may not load the weights directory `path`, or None. It must lie below the run's
+    weights directory `root` (`..` and symlinks followed), be STABLE, and hold no file that is a symlink leading out
+    of `root`: whoever reaches the load routes cannot make a server read weights of their choosing."""
+    if not root or not inside(path, root):
+        return f"{path} is not inside the run's weights directory ({root})"
+    folder = Path(path)
+    if not (folder / STABLE_MARKER).is_file():
+        return f"{folder} is not a stable weight directory (no {STABLE_MARKER} marker)"
+    escaping = sorted(file.name for file in folder.iterdir() if not inside(file, root))
+    if escaping:
+        return f"{', '.join(escaping)} in {folder} lead outside the run's weights directory"
+    return None
 
 
 def versions_to_keep(async_level: int) -> int:

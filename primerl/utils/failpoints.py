@@ -5,7 +5,8 @@ is True once for each file `<dir>/<name>` the test creates: the process removes 
 exactly one step sees it. Off, a call costs one environment lookup.
 
 Failpoints: `trainer.nonfinite_loss` (the next step's loss on rank 0 is NaN: the update is skipped, as for a real
-non-finite step).
+non-finite step); `worker.keep_old_weights` and `worker.die_mid_transfer` (an inference worker's next load is a
+silent no-op, or kills the worker once a collective transfer began: primerl.inference.worker_extension).
 """
 
 import os

@@ -21,7 +21,7 @@ from primerl.transport.atomic import is_stable
 from primerl.transport.collective import Offer, WeightReceiver
 from primerl.transport.config import WeightsConfig, WeightTransport
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, published_fingerprint, read_json_file, write_receivers
+from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, read_json_file
 from primerl.utils.wait import wait_until
 
 BUCKET_MB = 1  # the tiny models are a few MiB: several buckets
@@ -37,7 +37,7 @@ def play_inference_worker(path: Path, out: Path) -> None:
     """What the orchestrator and one vLLM worker do with an offer: answer it, then receive it."""
     wait_until(lambda: is_stable(path), f"the offer at {path}")
     offer = Offer.from_json(read_json_file(path / OFFER_FILE))
-    write_receivers(path, offer.id, {"r0-test": 2})
+    answer_offer(path, offer.id, {"r0-test": 2})
     received = dict(WeightReceiver().tensors(offer, "r0-test", 1, 2, torch.device("cpu")))
     save_file({name: tensor.clone() for name, tensor in received.items()}, out)
     sizes = [sum(spec.nbytes for spec in bucket) for bucket in offer.buckets]
