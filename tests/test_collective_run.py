@@ -80,5 +80,8 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
     assert latest_stable_version(run) == steps and not is_offer(weights_path(run, steps))
     sent = [v for v in range(1, steps) if is_stable(weights_path(run, v))]
     assert sent and all(is_offer(weights_path(run, v)) for v in sent)
-    groups = read_json_file(weights_path(run, sent[-1]) / RECEIVERS_FILE)["groups"]
-    assert sorted(name.split("-")[0] for name in groups) == ["r0", "r1"] and set(groups.values()) == {2}
+    answers = [read_json_file(weights_path(run, v) / RECEIVERS_FILE)["groups"] for v in sent]
+    assert any(sorted(name.split("-")[0] for name in groups) == ["r0", "r1"] for groups in answers), answers
+    assert all(set(groups.values()) <= {2} for groups in answers)  # trainer rank 0 + the replica's one worker
+    # an offer made after the orchestrator's last batch is withdrawn, not waited on
+    assert re.search(r"v\d+ went to no replica", trainer_log)
