@@ -7,7 +7,7 @@
    (verifiers env, in-process chat harness, train client with token ids and logprobs, scoring), and (c) the same
    with a sampling seed on every request. Rounds alternate; the median of each is reported, with the ratios
    (goal: primerl within 10% of raw). The server is configured by the overrides: with
-   `orchestrator.seed_requests=true` a CPU server runs without chunked prefill (primerl.inference.server).
+   `orchestrator.seed_requests=true` a CPU server runs without chunked prefill (primerl.inference.vllm_args).
 2. Weight-update latency vs model size: tiny Qwen3s of growing hidden size, each served by its own vLLM; the
    median of 5 in-flight reloads of a published checkpoint (pause, load, resume: primerl.orchestrator.inference_client).
 """
@@ -27,7 +27,8 @@ from primerl_reverse_text.texts import make_texts, prompt_messages
 from primerl.config.cli import check
 from primerl.envs.types import Rollout
 from primerl.envs.verifiers_env import env_runner, load_env
-from primerl.inference.server import VllmServer, render_specs
+from primerl.inference.server import VllmServer
+from primerl.inference.vllm_args import render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.model.start import prepare_start_model
 from primerl.orchestrator.inference_client import InferenceClient

@@ -22,7 +22,8 @@ from transformers import AutoTokenizer
 
 from primerl.config.cli import check
 from primerl.inference.pd_router import start_router
-from primerl.inference.server import VllmServer, render_specs, start_side_by_side
+from primerl.inference.server import VllmServer, start_side_by_side
+from primerl.inference.vllm_args import render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.transport.run_dir import pd_kv_store
 from primerl.transport.weights import SERVED_MODEL_NAME

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 
 from benchmarks.inference import arch_overrides
 from primerl.config.cli import check
-from primerl.inference.server import VllmServer, render_specs
+from primerl.inference.server import VllmServer
+from primerl.inference.vllm_args import render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from primerl.config.cli import check
-from primerl.inference.server import VllmServer, render_specs
+from primerl.inference.server import VllmServer
+from primerl.inference.vllm_args import render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint

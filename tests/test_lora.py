@@ -13,7 +13,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
-from primerl.inference.server import VllmServer, render_specs, start_side_by_side
+from primerl.inference.server import VllmServer, start_side_by_side
+from primerl.inference.vllm_args import render_specs
 from primerl.model.adapter import (
     ADAPTER_FILE,
     PEFT_ADAPTER,

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
 from primerl.inference.pd_router import start_router
-from primerl.inference.server import VllmServer, check_supported, render_specs, start_side_by_side
+from primerl.inference.server import VllmServer, start_side_by_side
+from primerl.inference.vllm_args import check_supported, render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint

@@ -322,7 +322,7 @@ def test_replica_config_ports_and_errors():
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
     from primerl.inference.config import replica_urls
-    from primerl.inference.server import render_specs, replica_cores
+    from primerl.inference.vllm_args import render_specs, replica_cores
     from primerl.utils.errors import ConfigError
     from primerl.utils.process import free_port
 

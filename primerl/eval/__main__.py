@@ -78,7 +78,8 @@ def held_out_env(cfg: RunConfig) -> EnvConfig:
 def evaluate(cfg: RunConfig, model_path: str) -> dict:
     """Serve `model_path`, run the env's tasks, return the summary (also what `eval.json` holds)."""
     from primerl.envs.verifiers_env import env_runner, load_env
-    from primerl.inference.server import VllmServer, check_supported, render_specs, resolve_device
+    from primerl.inference.server import VllmServer
+    from primerl.inference.vllm_args import check_supported, render_specs, resolve_device
 
     e = cfg.eval
     inf = dataclasses.replace(cfg.inference, port=cfg.inference.port or free_port())

@@ -20,14 +20,8 @@ from omegaconf import DictConfig
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.gpus import plan_gpus, visible_gpus
 from primerl.inference.pd_router import start_router
-from primerl.inference.server import (
-    InferenceStartError,
-    VllmServer,
-    check_supported,
-    render_specs,
-    resolve_device,
-    start_side_by_side,
-)
+from primerl.inference.server import InferenceStartError, VllmServer, start_side_by_side
+from primerl.inference.vllm_args import check_supported, render_specs, resolve_device
 from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.transport.run_dir import log_path, pd_kv_store, scratch_prefix
 from primerl.utils.errors import ConfigError, RunError

@@ -27,7 +27,7 @@ from primerl.transport.weights import OFFER_FILE, WEIGHTS_DIR_ENV, is_adapter, i
 from primerl.utils.failpoints import failpoint
 
 log = logging.getLogger(__name__)
-IDLE_SPIN_ENV = "PRIMERL_VLLM_IDLE_SPIN_S"  # set by primerl.inference.server from inference.cpu_idle_spin_s
+IDLE_SPIN_ENV = "PRIMERL_VLLM_IDLE_SPIN_S"  # set by primerl.inference.vllm_args from inference.cpu_idle_spin_s
 
 
 def shorten_idle_spin(busy_loop_s: float) -> bool:

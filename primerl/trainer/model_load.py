@@ -153,7 +153,8 @@ def load_weights(model: nn.Module, base: str | Path, info: DistInfo) -> str:
     """Collective: fill the materialised, sharded `model` with the weights at `base` (module docstring); a LoRA
     layer's wrapped weight (`base_layer.weight`) from the base's own name, adapters left out (`load_adapters`).
     Returns how: "sharded read" or "rank 0 read and scattered"."""
-    state = {base_param_name(k): v for k, v in get_model_state_dict(model).items() if not is_adapter_param(k)}
+    sharded = get_model_state_dict(model)
+    state = {base_param_name(k): v for k, v in sharded.items() if not is_adapter_param(k)}
     reads = plan_reads(state, StoredTensors(base))
     if reads is not None:
         with torch.no_grad():
@@ -164,7 +165,7 @@ def load_weights(model: nn.Module, base: str | Path, info: DistInfo) -> str:
     full = {}
     if info.is_main:
         full = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
-        wrapped = {base_param_name(k): k for k in get_model_state_dict(model) if ".base_layer." in k}
+        wrapped = {base_param_name(k): k for k in sharded if ".base_layer." in k}
         full = {wrapped.get(k, k): v for k, v in full.items()}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not has_adapters(model))
     set_model_state_dict(model, full, options=options)

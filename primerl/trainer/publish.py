@@ -114,7 +114,12 @@ class Publisher:
             self.sender.connect(version, groups)
         fingerprint, stream = Fingerprint(), export_stream(self.trainer.model, dtype)
         for index, bucket in enumerate(buckets):
-            tensors = [next(stream)[1] for _ in bucket]
+            tensors = []
+            for spec in bucket:  # every rank gathers each parameter in turn; the offer announced this order
+                name, tensor = next(stream)
+                if name != spec.name:
+                    raise RuntimeError(f"v{version}: the trainer gathered {name} where its offer announced {spec.name}")
+                tensors.append(tensor)
             if self.sender is None:
                 continue
             for spec, tensor in zip(bucket, tensors, strict=True):

