@@ -25,6 +25,7 @@ import aiohttp
 from primerl_reverse_text.texts import make_texts, prompt_messages
 
 from primerl.config.cli import check
+from primerl.config.schema import RunConfig
 from primerl.envs.types import Rollout
 from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer
@@ -134,19 +135,24 @@ async def reload_times(base_url: str, published: Path, repeats: int) -> list[flo
         return [(await client.load_weights(published, v + 1)).seconds for v in range(repeats)]
 
 
+def model_of_width(hidden: int, root: Path) -> tuple[RunConfig, str]:
+    """The config of a run under `root` serving the tiny Qwen3 of width `hidden` on a free port, and its model."""
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            f"inference.port={free_port()}",
+            f"cache_dir={root / 'cache'}",
+            f"output_dir={root}",
+            *arch_overrides(hidden),
+        ]
+    )
+    return cfg, prepare_base_model(cfg)
+
+
 def weight_update(sizes: list[int], root: Path) -> None:
     print(f"\n{'hidden':>6} {'params':>10} {'MB':>7} {'reload s (median of 5)':>23}")
     for hidden in sizes:
-        cfg = check(
-            [
-                "+experiment=reverse_text",
-                f"inference.port={free_port()}",
-                f"cache_dir={root / 'cache'}",
-                f"output_dir={root}",
-                *arch_overrides(hidden),
-            ]
-        )
-        model_dir = prepare_base_model(cfg)
+        cfg, model_dir = model_of_width(hidden, root)
         from safetensors.torch import load_file
 
         state = load_file(Path(model_dir) / "model.safetensors")

@@ -25,11 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.inference import arch_overrides
-from primerl.config.cli import check
+from benchmarks.inference import model_of_width
 from primerl.inference.server import VllmServer
 from primerl.inference.vllm_args import render_specs
-from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.atomic import atomic_dir, write_json
@@ -37,7 +35,6 @@ from primerl.transport.collective import WeightSender, plan_buckets, spec_of
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, write_fingerprint
-from primerl.utils.process import free_port
 
 
 def moved(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
@@ -84,16 +81,7 @@ async def by_collective(client, sender: WeightSender, root: Path, state, version
 
 
 def one_size(hidden: int, rounds: int, bucket_mb: int, root: Path) -> None:
-    cfg = check(
-        [
-            "+experiment=reverse_text",
-            f"inference.port={free_port()}",
-            f"cache_dir={root / 'cache'}",
-            f"output_dir={root}",
-            *arch_overrides(hidden),
-        ]
-    )
-    model_dir = prepare_base_model(cfg)
+    cfg, model_dir = model_of_width(hidden, root)
     state = load_file(Path(model_dir) / "model.safetensors")
     state = {k: v.to(getattr(torch, cfg.model.dtype)) for k, v in state.items()}
     mb = sum(v.numel() * v.element_size() for v in state.values()) / 2**20

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -17,20 +16,12 @@ from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import RECEIVERS_FILE, is_offer, latest_stable_version, read_json_file
 from primerl.utils.process import free_port
 from tests.conftest import ROOT
-from tests.test_faults import _vllm_pids
+from tests.test_faults import _vllm_pids, _wait_for
 from tests.test_rl_e2e import _kill_child, _train_cmd
 
 pytestmark = pytest.mark.long
 REPLICAS = 2
 LONG = 500  # the first run's steps: more than it reaches before its trainer is killed, however slow the restart
-
-
-def _wait(condition, what: str, train: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert train.poll() is None, f"the run exited waiting for {what}: {train.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_dir, tmp_path):
@@ -48,13 +39,13 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
         _train_cmd(run, *overrides, steps=LONG), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        _wait(lambda: len(read_metrics(run, "trainer")) >= 2, "2 trainer steps", train)
+        _wait_for(lambda: len(read_metrics(run, "trainer")) >= 2, "2 trainer steps", train, 600)
         for pid in _vllm_pids(port):  # replica 0's whole server, mid-run
             if os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
-        _wait(lambda: f"127.0.0.1:{port} is back" in orchestrator_log.read_text(), "replica 0 back", train)
+        _wait_for(lambda: f"127.0.0.1:{port} is back" in orchestrator_log.read_text(), "replica 0 back", train, 600)
         back_at = len(read_metrics(run, "trainer"))
-        _wait(lambda: len(read_metrics(run, "trainer")) >= back_at + 2, "2 steps with both replicas", train)
+        _wait_for(lambda: len(read_metrics(run, "trainer")) >= back_at + 2, "2 steps with both replicas", train, 600)
         _kill_child(train, run, "primerl.trainer")
     finally:
         if train.poll() is None:

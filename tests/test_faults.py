@@ -80,10 +80,11 @@ def _served_version(port: int) -> int | None:
         return None
 
 
-def _wait_for(condition, what: str, orchestrator: subprocess.Popen, timeout_s: float = 300) -> None:
+def _wait_for(condition, what: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Until `condition()`, while `process` (the one under test) runs."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert orchestrator.poll() is None, f"the orchestrator exited while waiting for {what}"
+        assert process.poll() is None, f"{process.args[2:4]} exited while waiting for {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
 

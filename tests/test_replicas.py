@@ -208,6 +208,14 @@ def test_a_replica_slow_to_answer_health_stays_up_while_it_finishes_rollouts(tmp
     asyncio.run(main())
 
 
+async def all_down(servers: list[FakeServer], watcher: Watcher) -> None:
+    """Every replica dies; a health check takes them out and admission stops."""
+    for server in servers:
+        server.up = False
+    watcher.check_health()
+    await until(lambda: not watcher.serving)
+
+
 def fingerprint_of_version(version: int) -> str:
     return f"fingerprint-of-v{version}"
 
@@ -242,10 +250,7 @@ def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_pol
         await until(lambda: replicas.up == [True, True])
         assert servers[0].served == 2 and watcher.recoveries == 1
         # every replica down: admission stops; the first back gets the newest published policy
-        for server in servers:
-            server.up = False
-        watcher.check_health()
-        await until(lambda: not watcher.serving)
+        await all_down(servers, watcher)
         publish(tmp_path, 3)
         await asyncio.sleep(0.1)
         assert policy.version == 2  # nothing could load it
@@ -474,10 +479,7 @@ def test_collective_offers_are_answered_and_a_replica_back_from_a_restart_joins_
         await until(lambda: answer(tmp_path, 2) is not None)
         assert answer(tmp_path, 2) == {} and servers[1].loads == [1, 2]
         # every replica down: an offer waits unanswered until one is back to take it
-        for server in servers:
-            server.up = False
-        watcher.check_health()
-        await until(lambda: not watcher.serving)
+        await all_down(servers, watcher)
         offer(tmp_path, 3)
         await asyncio.sleep(0.2)
         assert answer(tmp_path, 3) is None
