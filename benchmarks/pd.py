@@ -61,6 +61,17 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
+def cpu_pd_overrides(ports: list[int]) -> list[str]:
+    """A prefill/decode pair on this CPU (ExampleConnector): the router on ports[0], prefill and decode on the next."""
+    return [
+        "inference.pd.enabled=true",
+        "inference.pd.kv_connector=ExampleConnector",
+        f"inference.port={ports[0]}",
+        f"inference.pd.prefill_port={ports[1]}",
+        f"inference.pd.decode_port={ports[2]}",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -70,14 +81,7 @@ def main() -> None:
     run = Path(tempfile.mkdtemp(prefix="primerl-pd-bench-"))
     ports = [free_port() for _ in range(4)]
     common = ["+experiment=reverse_text", "sft.enabled=false", f"output_dir={run}"]
-    pd = [
-        "inference.pd.enabled=true",
-        "inference.pd.kv_connector=ExampleConnector",
-        f"inference.port={ports[0]}",
-        f"inference.pd.prefill_port={ports[1]}",
-        f"inference.pd.decode_port={ports[2]}",
-    ]
-    cfg = check([*common, *pd])
+    cfg = check([*common, *cpu_pd_overrides(ports)])
     model = prepare_base_model(cfg)
     specs = [
         *render_specs(cfg, model, "cpu"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.pd import cpu_pd_overrides
 from primerl.config.cli import check
 from primerl.inference.pd_router import start_router
 from primerl.inference.server import VllmServer, start_side_by_side
@@ -48,13 +49,7 @@ def _greedy(model_dir, prompt: list[int]) -> list[int]:
 
 def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_follow_an_update(cache_dir, tmp_path):
     ports = [free_port() for _ in range(4)]
-    pd = [
-        "inference.pd.enabled=true",
-        "inference.pd.kv_connector=ExampleConnector",
-        f"inference.port={ports[0]}",
-        f"inference.pd.prefill_port={ports[1]}",
-        f"inference.pd.decode_port={ports[2]}",
-    ]
+    pd = cpu_pd_overrides(ports)
     common = ["+experiment=reverse_text", "sft.enabled=false", f"cache_dir={cache_dir}", f"output_dir={tmp_path}"]
     cfg = check([*common, *pd])
     check_supported(cfg.inference, "cpu")
@@ -115,11 +110,7 @@ def test_a_short_rl_run_goes_through_prefill_and_decode(cache_dir, tmp_path):
         "primerl.train",
         "+experiment=reverse_text",
         "sft.enabled=false",
-        "inference.pd.enabled=true",
-        "inference.pd.kv_connector=ExampleConnector",
-        f"inference.pd.prefill_port={free_port()}",
-        f"inference.pd.decode_port={free_port()}",
-        "inference.port=0",
+        *cpu_pd_overrides([0, free_port(), free_port()]),  # the router on a free port
         "trainer.max_steps=3",
         "orchestrator.batch_size=16",
         "orchestrator.group_size=4",
