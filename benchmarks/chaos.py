@@ -15,9 +15,9 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
   `second_run` (the same command into another run directory, on the same port): the run must go on by itself, four
   more trained steps after the fault ends (two more than async_level 1 can have had written before it), and the
   second run must be refused at once with one line;
-- with `--transport collective` (weights.transport=collective, 1 MiB buckets), also `vllm_mid_transfer`: the vLLM
-  worker kills itself -9 in the middle of its next collective transfer (failpoint `worker.die_mid_transfer`); the
-  trainer drops that replica's group, the server is restarted and rejoins at the next offer.
+- with `--transport collective` (weights.transport=collective, 1 MiB buckets, 2 replicas), also `vllm_mid_transfer`:
+  a vLLM worker kills itself -9 in the middle of its next collective transfer (failpoint `worker.die_mid_transfer`);
+  the trainer drops that replica's group, the server is restarted and rejoins at the next offer.
 Afterwards it checks and prints:
 - every step trained once: trainer metrics rows 0..steps-1 each once, each step's log line at most once, restarts
   resuming at their checkpoint (never before the previous start); one skipped update per NaN step;
@@ -120,7 +120,12 @@ class Soak:
         rng = self.rng = random.Random(args.seed)
         kinds = [k for k in KINDS if k != "disk_full" or self.disk.available]
         if args.transport == "collective":
-            self.cmd += ["weights.transport=collective", "weights.bucket_mb=1"]  # several buckets per version
+            # several buckets per version; two replicas, so that a killed one can take the next offer while the
+            # other serves (with every replica lost, a version sent by collective is nowhere: the run stops)
+            self.cmd += ["weights.transport=collective", "weights.bucket_mb=1", "inference.replicas=2"]
+            self.cmd[self.cmd.index(next(a for a in self.cmd if a.startswith("inference.port=")))] = (
+                f"inference.port={free_port(count=2)}"
+            )
         else:
             kinds.remove("vllm_mid_transfer")
         if not self.disk.available:

@@ -41,7 +41,8 @@ class Arrival:
 
     async def answer(self, version: int, targets: list[int], fail: Callable[[int, str], None]) -> dict[int, str]:
         """Answer offer `version` with the groups of `targets` (those whose group cannot be named are left out and
-        given to `fail`), unless the trainer withdrew it first. Returns replica -> group name, of the answer that stands."""
+        given to `fail`), unless the trainer withdrew it first. Returns replica -> group name, of the answer that
+        stands. No `targets`: the answer that nobody takes it; targets none of which can be named: no answer."""
         path = weights_path(self.run_dir, version)
         named = await asyncio.gather(*(self.clients[i].collective_group(i) for i in targets), return_exceptions=True)
         groups = {}
@@ -50,6 +51,8 @@ class Arrival:
                 fail(index, f"its collective group for v{version} could not be named ({type(result).__name__})")
             else:
                 groups[index] = result
+        if targets and not groups:
+            return {}  # unanswered still: the trainer waits until a replica is back to take it
         standing = answer_offer(path, read_json_file(path / OFFER_FILE)["id"], dict(groups.values()))
         if groups and not standing:
             log.info("v%d was withdrawn by the trainer (no rollout can use it any more)", version)

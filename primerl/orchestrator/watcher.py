@@ -254,6 +254,12 @@ class Watcher:
         client = self.replicas.clients[index]
         path = weights_path(self.run_dir, target)
         if is_offer(path):
+            if not self.replicas.serving and self.arrival.answered(target):
+                raise RunError(
+                    f"every inference replica lost policy v{target}, which went by collective "
+                    "(weights.transport=collective) and is nowhere else; rerun the same command to resume: the "
+                    "trainer offers its checkpoint's policy again"
+                )
             log.warning("the server serves policy v%d; v%d went by collective: it joins the next offer", served, target)
             while not await self._join_next(index):
                 await client.wait_healthy(self.recovery_timeout_s, lambda: self._follow(index))
