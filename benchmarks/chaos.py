@@ -162,6 +162,11 @@ class Soak:
             os.kill(pid, signal.SIGKILL)
         self.server.kill()
 
+    def returns(self) -> int:
+        """How many times a replica came back, by the orchestrator's log."""
+        log = self.run / "logs" / "orchestrator.log"
+        return log.read_text().count(" is back, serving v") if log.exists() else 0
+
     def alive(self) -> bool:
         return self.driver is not None and self.driver.poll() is None
 
@@ -237,6 +242,7 @@ class Soak:
         step = self.steps()
         began = time.monotonic()
         fault = {"kind": kind, "at_step": step, "stopped_s": None}
+        back_before = self.returns()
         if kind == "vllm":
             pid = target_pid(kind, self.run, self.driver)
             if pid is not None:
@@ -256,6 +262,8 @@ class Soak:
         # 4 more: with async_level 1 the trainer can have up to 2 batches written before the fault; 2 more are new
         target = min(self.steps() + 4, self.args.steps)
         wait_for(lambda: self.steps() >= target or not self.alive(), 900)
+        if kind.startswith("vllm"):  # with 2 replicas the run goes on without it: wait for its return too
+            wait_for(lambda: self.returns() > back_before or not self.alive(), 600)
         fault["driver_exit"] = self.driver.poll()
         fault["went_on"] = self.steps() >= target and self.driver.poll() in (None, 0)
         fault["recovered_s"] = round(time.monotonic() - began, 1)
