@@ -22,6 +22,7 @@ from primerl.transport.collective import (
 )
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.run_dir import weights_path
+from primerl.transport.weights import RECEIVERS_FILE, answer_offer, read_json_file
 from tests.conftest import run_module
 
 TENSORS = {
@@ -53,6 +54,20 @@ def test_the_fingerprint_follows_every_tensor_not_their_order():
     moved = big + 1e-3  # an update moves every element, so every sample sees it
     assert fingerprint_of({"w": big}) != fingerprint_of({"w": moved})
     assert fingerprint_of({"w": big}) != fingerprint_of({"w2": big})  # the name counts
+
+
+def test_the_first_answer_to_an_offer_stands(tmp_path):
+    """The orchestrator's answer and the trainer's withdrawal (no groups) race: whichever is in place first is the
+    answer both act on; an answer to another offer id is none."""
+    assert answer_offer(tmp_path, "offer-1", {}) == {}  # the trainer withdrew it
+    assert answer_offer(tmp_path, "offer-1", {"r0-a.0": 2}) == {}  # a late answer does not replace it
+    again = tmp_path / "again"
+    again.mkdir()
+    assert answer_offer(again, "offer-2", {"r0-a.0": 2}) == {"r0-a.0": 2}
+    assert answer_offer(again, "offer-2", {}) == {"r0-a.0": 2}  # a late withdrawal neither
+    assert read_json_file(again / RECEIVERS_FILE) == {"offer": "offer-2", "groups": {"r0-a.0": 2}}
+    assert answer_offer(again, "offer-3", {}) == {}  # the standing answer is another offer's
+    assert sorted(path.name for path in again.iterdir()) == [RECEIVERS_FILE]  # no temporaries left
 
 
 def _send(sender: WeightSender, version: int, buckets, groups: dict[str, int], stop_after: int | None = None):

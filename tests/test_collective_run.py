@@ -74,5 +74,3 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
     answers = [read_json_file(weights_path(run, v) / RECEIVERS_FILE)["groups"] for v in sent]
     assert any(sorted(name.split("-")[0] for name in groups) == ["r0", "r1"] for groups in answers), answers
     assert all(set(groups.values()) <= {2} for groups in answers)  # trainer rank 0 + the replica's one worker
-    # an offer made after the orchestrator's last batch is withdrawn, not waited on
-    assert re.search(r"v\d+ went to no replica", trainer_log)
