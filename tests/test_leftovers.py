@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from primerl.inference.server import VllmServer, stop_side_by_side
+from primerl.inference.vllm_args import ServerSpec
 from primerl.launch.leftovers import claim_run_dir, clear_leftovers, run_processes
 from primerl.transport.atomic import shared_staging_path, stale_temporaries
 from primerl.transport.run_dir import scratch_prefix
@@ -50,6 +52,28 @@ def test_children_die_with_a_parent_killed_with_sigkill():
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     assert _wait(lambda: _gone(child))
+
+
+def test_servers_that_hang_on_sigterm_stop_within_one_grace(tmp_path):
+    # the inference wrapper's stop must end within the driver's grace, else the driver's SIGKILL cuts it short and
+    # the servers (each leading its own group) outlive the run: one grace for all servers, not one each
+    hanging = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)"
+    )
+    servers = []
+    for port in (1, 2):
+        server = VllmServer(ServerSpec(args=[], port=port), tmp_path / f"{port}.log")
+        server.process = subprocess.Popen(
+            [sys.executable, "-c", hanging], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        server.process.stdout.readline()  # its SIGTERM handler is set
+        servers.append(server)
+    grace_s = 2.0
+    started = time.monotonic()
+    stop_side_by_side(servers, grace_s)
+    took = time.monotonic() - started
+    assert all(server.process.poll() == -signal.SIGKILL for server in servers)
+    assert grace_s <= took < 2 * grace_s - 0.5, took  # one after another would take two graces
 
 
 def test_one_driver_per_run_directory(tmp_path):

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.gpus import plan_gpus, visible_gpus
 from primerl.inference.pd_router import start_router
-from primerl.inference.server import InferenceStartError, VllmServer, start_side_by_side
+from primerl.inference.server import InferenceStartError, VllmServer, start_side_by_side, stop_side_by_side
 from primerl.inference.vllm_args import check_supported, render_specs, resolve_device
 from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.transport.run_dir import log_path, pd_kv_store, scratch_prefix
@@ -100,8 +100,8 @@ def main(dict_cfg: DictConfig) -> None:
         log.error(str(err))
         sys.exit(1)
     finally:
-        for server in servers:
-            server.stop()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the driver's death) must not cut the stop
+        stop_side_by_side(servers)
 
 
 if __name__ == "__main__":

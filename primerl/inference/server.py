@@ -19,7 +19,7 @@ import httpx
 from primerl.inference.vllm_args import ServerSpec
 from primerl.transport.identity import SERVER_ID_ENV, served_by
 from primerl.utils.parent_death import dies_with_parent
-from primerl.utils.process import port_taken, stop_process_groups
+from primerl.utils.process import NESTED_GRACE_S, port_taken, stop_process_groups
 from primerl.utils.wait import WaitTimeout, wait_until
 
 
@@ -125,7 +125,7 @@ class VllmServer:
         except httpx.HTTPError:
             return None
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def stop(self, grace_s: float = NESTED_GRACE_S) -> None:
         """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""
         if self.process is not None:
             stop_process_groups([self.process], grace_s)
@@ -146,3 +146,11 @@ def start_side_by_side(servers: list[VllmServer], timeout_s: float = 600.0) -> N
         server.spawn()
     for server in servers:
         server.wait_ready(timeout_s)
+
+
+def stop_side_by_side(servers: list[VllmServer], grace_s: float = NESTED_GRACE_S) -> None:
+    """Stop every server at once: SIGTERM to all, one grace for all, then SIGKILL. (Stopped one after another, each
+    server that hangs on SIGTERM adds a grace of its own, and the sum outlasts the parent's: NESTED_GRACE_S.)"""
+    stop_process_groups([s.process for s in servers if s.process is not None], grace_s)
+    for server in servers:
+        server.stop(grace_s)  # its temp dir; its processes are gone

@@ -15,9 +15,8 @@ from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.parent_death import dies_with_parent
-from primerl.utils.process import free_port, stop_process_groups
+from primerl.utils.process import STOP_GRACE_S, free_port, stop_process_groups
 
-GRACE_S = 20.0
 LOOPBACK_GLOO = {"GLOO_SOCKET_IFNAME": "lo"}  # ranks on one machine: gloo's pair sockets listen on loopback only
 
 
@@ -93,7 +92,7 @@ class LocalLauncher:
         return False
 
     def stop_all(self) -> None:
-        stop_process_groups([c.process for c in self.children.values()], GRACE_S)
+        stop_process_groups([c.process for c in self.children.values()], STOP_GRACE_S)
 
 
 def _has_cuda() -> bool:

@@ -6,6 +6,14 @@ import socket
 import subprocess
 import time
 
+STOP_GRACE_S = 20.0
+"""How long the driver waits after SIGTERM before it SIGKILLs its children's process groups."""
+NESTED_GRACE_S = STOP_GRACE_S / 2
+"""How long a child waits for the process groups it started itself (the inference wrapper's vLLM servers) before it
+SIGKILLs them. Shorter than its parent's grace: a parent's SIGKILL that lands first reaches only the child's own
+group, and grandchildren that lead groups of their own would be left with the parent-death SIGTERM they already had
+(seen: a vLLM server whose uvicorn waited on a request of its dead engine outlived the run by a minute)."""
+
 
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     """A port that is free now, with the `count - 1` ports after it free too (replicas on consecutive ports)."""
