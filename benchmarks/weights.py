@@ -30,11 +30,10 @@ from primerl.inference.server import VllmServer
 from primerl.inference.vllm_args import render_specs
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
-from primerl.transport.atomic import atomic_dir, write_json
-from primerl.transport.collective import WeightSender, plan_buckets, spec_of
-from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.collective import WeightSender
+from primerl.transport.offer import plan_buckets, publish_offer, spec_of
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, write_fingerprint
+from primerl.transport.weights import answer_offer, published_fingerprint, write_fingerprint
 
 
 def moved(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
@@ -56,19 +55,14 @@ async def by_collective(client, sender: WeightSender, root: Path, state, version
     started = time.perf_counter()
     path = weights_path(root, version)
     made = sender.offer(version, plan_buckets([spec_of(k, v) for k, v in state.items()], bucket_bytes))
-    with atomic_dir(path) as staging:
-        write_json(staging / OFFER_FILE, made.to_json())
+    publish_offer(path, made)
     group, members = await client.collective_group(0)
     answer_offer(path, made.id, {group: members})
     timing = {}
 
     def send() -> None:
         begun = time.perf_counter()
-        sender.connect(version, {group: members})
-        for index, bucket in enumerate(made.buckets):
-            flat = torch.cat([state[spec.name].reshape(-1) for spec in bucket])
-            sender.send(version, index, len(made.buckets), flat)
-        write_fingerprint(path, fingerprint_of(state))
+        write_fingerprint(path, sender.transfer(made, {group: members}, iter(state.items())))
         timing["trainer"] = time.perf_counter() - begun
 
     thread = threading.Thread(target=send)

@@ -2,6 +2,7 @@
 groups over real gloo on loopback, a stalled transfer that fails in one line, and the trainer's side under torchrun
 (FSDP2 on 2 ranks, and a MoE under expert parallel) sending exactly the tensors it writes as files."""
 
+import itertools
 import json
 import threading
 
@@ -11,16 +12,9 @@ from safetensors.torch import load_file
 
 from primerl.model.config import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
-from primerl.transport.collective import (
-    Offer,
-    TensorSpec,
-    TransferError,
-    WeightReceiver,
-    WeightSender,
-    plan_buckets,
-    spec_of,
-)
+from primerl.transport.collective import TransferError, WeightReceiver, WeightSender
 from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.offer import Offer, TensorSpec, plan_buckets, spec_of
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import RECEIVERS_FILE, answer_offer, read_json_file
 from tests.conftest import run_module
@@ -70,12 +64,14 @@ def test_the_first_answer_to_an_offer_stands(tmp_path):
     assert sorted(path.name for path in again.iterdir()) == [RECEIVERS_FILE]  # no temporaries left
 
 
-def _send(sender: WeightSender, version: int, buckets, groups: dict[str, int], stop_after: int | None = None):
-    sender.connect(version, groups)
-    for index, bucket in enumerate(buckets):
-        if stop_after is not None and index == stop_after:
-            return
-        sender.send(version, index, len(buckets), torch.cat([TENSORS[spec.name].reshape(-1) for spec in bucket]))
+def _send(sender: WeightSender, offer: Offer, groups: dict[str, int], buckets_sent: int | None = None) -> None:
+    """The trainer's side: TENSORS, whole, or cut short after `buckets_sent` buckets (then the sender says so)."""
+    if buckets_sent is None:
+        assert sender.transfer(offer, groups, iter(TENSORS.items())) == fingerprint_of(TENSORS)
+        return
+    cut = itertools.islice(TENSORS.items(), sum(len(bucket) for bucket in offer.buckets[:buckets_sent]))
+    with pytest.raises(RuntimeError, match=f"v{offer.version}: the trainer had nothing more where its offer announced"):
+        sender.transfer(offer, groups, cut)
 
 
 def _receive(receiver: WeightReceiver, offer: Offer, group: str, out: dict) -> None:
@@ -99,7 +95,7 @@ def test_a_version_sent_to_two_replica_groups_arrives_whole_and_a_group_that_nev
     ]
     for thread in threads:
         thread.start()
-    _send(sender, 3, buckets, {**groups, "r2-never.0": 2})  # replica 2 was named but never joins
+    _send(sender, offer, {**groups, "r2-never.0": 2})  # replica 2 was named but never joins
     for thread in threads:
         thread.join()
     for name in groups:
@@ -115,7 +111,7 @@ def test_a_version_sent_to_two_replica_groups_arrives_whole_and_a_group_that_nev
     ]
     for thread in threads:
         thread.start()
-    _send(sender, 4, buckets, groups)
+    _send(sender, offer, groups)
     for thread in threads:
         thread.join()
     assert all(fingerprint_of(out[name]) == fingerprint_of(TENSORS) for name in groups)
@@ -129,7 +125,7 @@ def test_a_transfer_that_stalls_fails_on_the_worker_side_in_one_line_naming_the_
     name = f"r0-{receiver.identity}"
     thread = threading.Thread(target=_receive, args=(receiver, offer, name, out))
     thread.start()
-    _send(sender, 5, buckets, {name: 2}, stop_after=1)  # the trainer sends bucket 1 of 3, then nothing
+    _send(sender, offer, {name: 2}, buckets_sent=1)  # the trainer sends bucket 1 of 3, then nothing
     thread.join(timeout=60)
     error = out[name]
     assert isinstance(error, TransferError) and "\n" not in str(error)

@@ -6,6 +6,8 @@ fingerprint than the trainer's; a transfer that stalls fails in one line naming 
 froze."""
 
 import asyncio
+import contextlib
+import itertools
 import threading
 
 import httpx
@@ -14,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.trainer.weights import save_hf_checkpoint
-from primerl.transport.atomic import atomic_dir, write_json
-from primerl.transport.collective import WeightSender, plan_buckets, spec_of
+from primerl.transport.collective import WeightSender
 from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.offer import plan_buckets, publish_offer, spec_of
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, write_fingerprint
+from primerl.transport.weights import answer_offer, published_fingerprint, write_fingerprint
 from tests.served import API_KEY, client_call, client_of, generate, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
@@ -36,22 +38,21 @@ def perturbed(model_dir, scale: float, seed: int) -> dict[str, torch.Tensor]:
 
 
 def offer(run_dir, sender: WeightSender, version: int, tensors: dict[str, torch.Tensor]):
-    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in tensors.items()], BUCKET_BYTES)
-    made = sender.offer(version, buckets)
-    with atomic_dir(weights_path(run_dir, version)) as staging:
-        write_json(staging / OFFER_FILE, made.to_json())
+    made = sender.offer(
+        version, plan_buckets([spec_of(name, tensor) for name, tensor in tensors.items()], BUCKET_BYTES)
+    )
+    publish_offer(weights_path(run_dir, version), made)
     return made
 
 
 def send(run_dir, sender: WeightSender, made, tensors, groups: dict[str, int], stop_after: int | None = None) -> None:
-    """The trainer's side: join, send every bucket (or stop after `stop_after`), publish the fingerprint."""
-    sender.connect(made.version, groups)
-    for index, bucket in enumerate(made.buckets):
-        if index == stop_after:
-            return
-        flat = torch.cat([tensors[spec.name].reshape(-1) for spec in bucket])
-        sender.send(made.version, index, len(made.buckets), flat)
-    write_fingerprint(weights_path(run_dir, made.version), fingerprint_of(tensors))
+    """The trainer's side: send every bucket and publish the fingerprint, or stop after `stop_after` buckets."""
+    if stop_after is None:
+        write_fingerprint(weights_path(run_dir, made.version), sender.transfer(made, groups, iter(tensors.items())))
+        return
+    cut = itertools.islice(tensors.items(), sum(len(bucket) for bucket in made.buckets[:stop_after]))
+    with contextlib.suppress(RuntimeError):  # the offer announced more than it sent: the torn transfer wanted
+        sender.transfer(made, groups, cut)
 
 
 async def deliver(srv, sender, made, tensors, stop_after=None):
@@ -135,7 +136,7 @@ def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_co
     from transformers import AutoTokenizer
 
     from primerl.config.cli import check
-    from primerl.inference.server import VllmServer, start_side_by_side
+    from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
     from primerl.inference.vllm_args import render_specs
     from primerl.model.resolve import prepare_base_model
     from primerl.orchestrator.inference_client import InferenceClient
@@ -191,5 +192,4 @@ def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_co
                 ids, logprobs, _ = generate(server, prompt)
                 assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3), (version, server.base_url)
     finally:
-        for server in servers:
-            server.stop()
+        stop_side_by_side(servers)

@@ -1,7 +1,6 @@
 """Cross-field checks that a typed schema cannot express. Each failure names the offending key."""
 
 import importlib.util
-import ipaddress
 import math
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from primerl.model.config import ModelSource
 from primerl.transport.config import WeightTransport
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
+from primerl.utils.process import is_loopback
 
 # trainer.attention: transformers' attn_implementation -> the package it needs (None: torch's own)
 ATTENTION_KERNELS = {
@@ -23,15 +23,6 @@ ATTENTION_KERNELS = {
     "flash_attention_2": "flash_attn",
     "flash_attention_3": "flash_attn_interface",
 }
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def validate(cfg: RunConfig) -> None:
@@ -109,7 +100,7 @@ def _inference(cfg: RunConfig) -> None:
         )
     if inf.api_key is not None and not (inf.api_key.isascii() and inf.api_key.isprintable() and " " not in inf.api_key):
         raise ConfigError("inference.api_key", "must be printable ASCII without spaces (it travels in an HTTP header)")
-    if not _is_loopback(inf.host) and not inf.api_key:
+    if not is_loopback(inf.host) and not inf.api_key:
         raise ConfigError("inference.api_key", f"required when inference.host={inf.host} is not a loopback address")
     for arg in inf.extra_args:
         flag = str(arg).split("=", 1)[0]
@@ -197,7 +188,7 @@ def _weights(cfg: RunConfig) -> None:
         )
     if cfg.inference.pd.enabled:
         raise ConfigError("weights.transport", "prefill/decode servers load weights from files only; use filesystem")
-    if cfg.launcher.name == "slurm" and cfg.weights.host is not None and _is_loopback(cfg.weights.host):
+    if cfg.launcher.name == "slurm" and cfg.weights.host is not None and is_loopback(cfg.weights.host):
         raise ConfigError(
             "weights.host",
             f"{cfg.weights.host} is loopback: inference workers on other nodes cannot reach the trainer there; "

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from primerl.transport.collective import Offer, WeightReceiver
+from primerl.transport.collective import WeightReceiver
 from primerl.transport.fingerprint import Fingerprint, tensor_digest
-from primerl.transport.weights import OFFER_FILE, WEIGHTS_DIR_ENV, is_adapter, is_offer, weights_dir_refusal
+from primerl.transport.offer import read_offer
+from primerl.transport.weights import WEIGHTS_DIR_ENV, is_adapter, is_offer, weights_dir_refusal
 from primerl.utils.failpoints import failpoint
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class PrimerlWorkerExtension:
     def _primerl_received(self, folder: Path, group: str) -> Iterator[tuple[str, torch.Tensor]]:
         if not group:
             raise ValueError(f"{folder} is a collective offer: a load of it must name the replica's group")
-        offer = Offer.from_json(json.loads((folder / OFFER_FILE).read_text()))
+        offer = read_offer(folder)
         world = 1 + self.parallel_config.world_size  # type: ignore[attr-defined]
         device = torch.device("cuda", torch.cuda.current_device()) if offer.backend == "nccl" else torch.device("cpu")
         received = self._primerl_receiver_().tensors(offer, group, 1 + self.rank, world, device)  # type: ignore[attr-defined]

@@ -8,17 +8,14 @@ batch cut and wakes the dispatcher). Versions in between are skipped: a server o
 Health (primerl.orchestrator.replicas): every HEALTH_EVERY_S, after a group whose every rollout failed
 (`check_health()`), and after a failed load, each up replica is probed; one that refuses (nothing listens, an error
 status), or has shown no sign of life for the replicas' liveness limit, is marked down and gets new rollouts no
-more. A replica marked down (here, or by the runner) is recovered in the background: wait for it
-with back-off, load the policy the others serve (with none up: the newest published), and mark it up. While no
-replica is up, admission stops (`serving` false). Invariant: every replica marked up serves `Policy.version`. A
-replica still down after `recovery_timeout_s` ends the run only when no other replica is up. Rollouts that failed
-meanwhile are counted failures; no step is skipped. A recovering replica whose advertised address changed (a
-requeued SLURM inference job on another node or port: `addresses`) is followed there.
+more. A replica marked down (here, or by the runner) is brought back in the background (primerl.orchestrator.recovery).
+While no replica is up, admission stops (`serving` false). Invariant: every replica marked up serves
+`Policy.version`. Rollouts that failed meanwhile are counted failures; no step is skipped.
 
 Collective offers (primerl.transport.collective): every offer gets an answer, the groups of the replicas that take
 it (none when every replica serves it already), or the trainer would wait for ever. A replica that comes back while
 the others serve a version sent by collective cannot read that version anywhere: it joins the next offer (its
-recovery waits in `_joining`) and is marked up once that load succeeded.
+recovery waits in `Recovery.joining`) and is marked up once that load succeeded.
 
 Proof of arrival: each load answers the fingerprint the replica serves; one that differs from the trainer's
 (primerl.transport.weights.published_fingerprint) is logged with both, loaded again (a file; an offer cannot be
@@ -33,13 +30,13 @@ from pathlib import Path
 import httpx
 
 from primerl.orchestrator.arrival import Arrival
+from primerl.orchestrator.recovery import Recovery
 from primerl.orchestrator.replicas import Replicas
 from primerl.orchestrator.types import Policy
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import (
     is_offer,
     latest_stable_version,
-    published_fingerprint,
 )
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
@@ -63,17 +60,16 @@ class Watcher:
         transfer_timeout_s: float = 300.0,
     ):
         self.run_dir, self.replicas, self.policy = run_dir, replicas, policy
-        self.poll_s, self.recovery_timeout_s, self.on_change = poll_s, recovery_timeout_s, on_change
+        self.poll_s, self.on_change = poll_s, on_change
         self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
-        self.addresses = addresses  # the replicas' advertised URLs (SLURM; None when nothing is advertised)
         self.load_s = 0.0  # seconds the slowest replica spent loading weights, summed over loads
         self.loads = 0
-        self.recoveries = 0  # replicas brought back, cumulative
         self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s
         self.arrival = Arrival(run_dir, replicas.clients, transfer_timeout_s)
-        self._joining: dict[int, asyncio.Future[bool]] = {}  # recovering replicas waiting for the next offer
         self._suspect = asyncio.Event()
-        self._recovering: dict[int, asyncio.Task] = {}
+        self.recovery = Recovery(
+            run_dir, replicas, policy, self.arrival, recovery_timeout_s, addresses, self._suspect.set, on_change
+        )
         self._load_failures = 0
         self._last_probe = time.monotonic()
 
@@ -81,6 +77,11 @@ class Watcher:
     def mismatches(self) -> int:
         """Loads whose fingerprint differed from the trainer's, cumulative."""
         return self.arrival.mismatches
+
+    @property
+    def recoveries(self) -> int:
+        """Replicas brought back, cumulative."""
+        return self.recovery.recovered
 
     @property
     def serving(self) -> bool:
@@ -95,7 +96,7 @@ class Watcher:
         last_health = time.monotonic()
         try:
             while True:
-                self._raise_failed_recovery()
+                self.recovery.raise_failed()
                 try:
                     if self._suspect.is_set() or time.monotonic() - last_health > HEALTH_EVERY_S:
                         self._suspect.clear()
@@ -111,15 +112,14 @@ class Watcher:
                         ) from err
                     log.warning("weight update failed (%s: %s); checking the servers", type(err).__name__, err)
                     await self.probe()
-                self._start_recoveries()
+                self.recovery.start()
                 self.replicas.down_event.clear()
                 waits = [asyncio.ensure_future(e.wait()) for e in (self._suspect, self.replicas.down_event)]
                 await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
                 for waiting in waits:
                     waiting.cancel()
         finally:
-            for task in self._recovering.values():
-                task.cancel()
+            self.recovery.cancel()
 
     async def _to_the_end(self, update: Awaitable[None]) -> None:
         """Run an update to its end even when the watcher is cancelled meanwhile (the orchestrator is done): an offer
@@ -148,7 +148,7 @@ class Watcher:
             elif replicas.liveness.observe(pulse, elapsed):
                 limit = replicas.liveness.limit(pulse)
                 replicas.mark_down(index, f"no /health answer and no rollout finished in {limit:.0f}s")
-        self._start_recoveries()
+        self.recovery.start()
 
     async def update(self) -> None:
         """Load the newest published policy into every up replica (and every joining one) if it is newer than the
@@ -160,7 +160,7 @@ class Watcher:
             if is_offer(weights_path(self.run_dir, latest)) and not self.arrival.answered(latest):
                 await self._load(latest, joining_only=True)
             return
-        if not self.replicas.serving and not self._joining:
+        if not self.replicas.serving and not self.recovery.joining:
             return  # an offer stays unanswered (the trainer waits) until a replica is back to take it
         if self.before_load is not None and self.replicas.serving:
             await self.before_load(self.policy.version)
@@ -169,7 +169,7 @@ class Watcher:
 
     async def _load(self, version: int, joining_only: bool = False) -> None:
         up = [] if joining_only else [i for i in range(len(self.replicas)) if self.replicas.up[i]]
-        targets = up + [i for i in self._joining if i not in up]
+        targets = up + [i for i in self.recovery.joining if i not in up]
         path = weights_path(self.run_dir, version)
         groups = await self.arrival.answer(version, targets, self._fail) if is_offer(path) else {}
         if is_offer(path):
@@ -190,8 +190,7 @@ class Watcher:
                 self._fail(index, f"the load of v{version} failed ({type(result).__name__}: {result})")
             elif await self.arrival.proven(index, version, result, expected, not groups, self._fail):
                 loaded.append(result)
-                if index in self._joining:
-                    self._joining.pop(index).set_result(True)
+                self.recovery.settle(index, took=True)
         if loaded:
             self._advance(version, max(result.seconds for result in loaded), len(loaded))
 
@@ -214,93 +213,10 @@ class Watcher:
 
     def _fail(self, index: int, reason: str) -> None:
         """Replica `index` did not take a version: a joining one waits for the next offer, an up one is taken out."""
-        if index in self._joining:
+        if index in self.recovery.joining:
             log.warning(
                 "inference server %s: %s; it joins the next offer", self.replicas.clients[index].base_url, reason
             )
-            self._joining.pop(index).set_result(False)
+            self.recovery.settle(index, took=False)
         elif self.replicas.up[index]:
             self.replicas.mark_down(index, reason)
-
-    def _start_recoveries(self) -> None:
-        for index, up in enumerate(self.replicas.up):
-            if not up and index not in self._recovering:
-                self._recovering[index] = asyncio.create_task(self._recover(index), name=f"recover-replica-{index}")
-
-    def _raise_failed_recovery(self) -> None:
-        for index, task in list(self._recovering.items()):
-            if task.done():
-                del self._recovering[index]
-                task.result()  # a replica that never came back while none was up: the run's error
-
-    def _follow(self, index: int) -> None:
-        """Point down replica `index` at its advertised address when that changed (its job was requeued)."""
-        urls = self.addresses()
-        if urls and index < len(urls) and urls[index] and urls[index] != self.replicas.clients[index].base_url:
-            self.replicas.move(index, urls[index])
-
-    async def _join_next(self, index: int) -> bool:
-        """Wait until the next offer's load included replica `index`; whether it took it."""
-        self._joining[index] = asyncio.get_running_loop().create_future()
-        self._suspect.set()  # wake the loop: an unanswered offer may be waiting for this replica
-        try:
-            return await self._joining[index]
-        finally:
-            self._joining.pop(index, None)
-
-    async def _catch_up(self, index: int, served: int, target: int) -> bool:
-        """Make replica `index` serve `target` (or, when `target` went by collective, the next offer). Returns
-        whether it joined an offer (it then serves `policy.version`)."""
-        client = self.replicas.clients[index]
-        path = weights_path(self.run_dir, target)
-        if is_offer(path):
-            if not self.replicas.serving and self.arrival.answered(target):
-                raise RunError(
-                    f"every inference replica lost policy v{target}, which went by collective "
-                    "(weights.transport=collective) and is nowhere else; rerun the same command to resume: the "
-                    "trainer offers its checkpoint's policy again"
-                )
-            log.warning("the server serves policy v%d; v%d went by collective: it joins the next offer", served, target)
-            while not await self._join_next(index):
-                await client.wait_healthy(self.recovery_timeout_s, lambda: self._follow(index))
-            return True
-        log.warning("the server serves policy v%d, not v%d: reloading", served, target)
-        loaded = await client.load_weights(path, target)
-        expected = published_fingerprint(path)
-        if expected is not None and loaded.fingerprint != expected:
-            self.arrival.mismatches += 1
-            raise RuntimeError(f"it serves fingerprint {loaded.fingerprint} after loading v{target}, not {expected}")
-        return False
-
-    async def _recover(self, index: int) -> None:
-        """Wait for replica `index`, make it serve the policy the others serve, mark it up."""
-        client = self.replicas.clients[index]
-        log.warning("inference server %s unreachable; waiting with back-off", client.base_url)
-        while True:
-            try:
-                await client.wait_healthy(self.recovery_timeout_s, lambda: self._follow(index))
-                # with other replicas up, their version; with none, the newest published (a restart serves v0)
-                target = self.policy.version if self.replicas.serving else (latest_stable_version(self.run_dir) or 0)
-                served = await client.policy_version()
-                if served != target and await self._catch_up(index, served, target):
-                    break  # joined an offer: it serves policy.version, which _load set
-                if self.replicas.serving and target != self.policy.version:
-                    continue  # the others moved on meanwhile: load theirs
-                if not self.replicas.serving:
-                    self.policy.version = target
-                break
-            except RunError:
-                if not self.replicas.serving:
-                    raise
-                log.warning(
-                    "inference server %s still down after %.0fs; the other replicas serve",
-                    client.base_url,
-                    self.recovery_timeout_s,
-                )
-            except (httpx.HTTPError, RuntimeError) as err:
-                log.warning("inference server %s: %s; waiting again", client.base_url, err)
-                await asyncio.sleep(1.0)
-        self.replicas.mark_up(index)
-        self.recoveries += 1
-        log.info("inference server %s is back, serving v%d", client.base_url, self.policy.version)
-        self.on_change()

@@ -18,18 +18,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from primerl.trainer.trainer import Trainer
 from primerl.trainer.weights import export_specs, export_stream
-from primerl.transport.atomic import atomic_dir, is_stable, write_json
-from primerl.transport.collective import Offer, WeightSender, is_loopback, plan_buckets
+from primerl.transport.atomic import is_stable
+from primerl.transport.collective import WeightSender
 from primerl.transport.config import WeightsConfig, WeightTransport
-from primerl.transport.fingerprint import Fingerprint
+from primerl.transport.offer import Offer, in_buckets, plan_buckets, publish_offer, read_offer
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import (
-    OFFER_FILE,
     RECEIVERS_FILE,
     answer_offer,
     drop_old_version,
@@ -39,6 +37,7 @@ from primerl.transport.weights import (
     write_fingerprint,
 )
 from primerl.utils.log import get_logger
+from primerl.utils.process import is_loopback
 from primerl.utils.wait import wait_until
 
 log = get_logger("trainer")
@@ -100,43 +99,30 @@ class Publisher:
     def _send(self, version: int, path: Path) -> str | None:
         """Offer `version`, wait for the orchestrator's answer, gather and send it bucket by bucket."""
         dtype = self.trainer.export_dtype
-        buckets = plan_buckets(export_specs(self.trainer.model, dtype), self.cfg.bucket_mb << 20)
-        if self.sender is not None:
-            offer = self.sender.offer(version, buckets)
-            with atomic_dir(path) as staging:
-                write_json(staging / OFFER_FILE, offer.to_json())
-        else:  # the other ranks learn the offer's id from the directory rank 0 published
+        stream = export_stream(self.trainer.model, dtype)
+        if self.sender is None:  # every rank gathers each parameter in turn, in the order the offer announced
             wait_until(lambda: is_stable(path), f"rank 0's offer of v{version} ({path})", note_every_s=60)
-            offer = Offer.from_json(read_json_file(path / OFFER_FILE))
+            offer = read_offer(path)
+            self._answer(offer, path)
+            for _ in in_buckets(offer, stream):
+                pass
+            return None
+        offer = self.sender.offer(
+            version, plan_buckets(export_specs(self.trainer.model, dtype), self.cfg.bucket_mb << 20)
+        )
+        publish_offer(path, offer)
         groups = self._answer(offer, path)
         started = time.perf_counter()
-        if self.sender is not None:
-            self.sender.connect(version, groups)
-        fingerprint, stream = Fingerprint(), export_stream(self.trainer.model, dtype)
-        for index, bucket in enumerate(buckets):
-            tensors = []
-            for spec in bucket:  # every rank gathers each parameter in turn; the offer announced this order
-                name, tensor = next(stream)
-                if name != spec.name:
-                    raise RuntimeError(f"v{version}: the trainer gathered {name} where its offer announced {spec.name}")
-                tensors.append(tensor)
-            if self.sender is None:
-                continue
-            for spec, tensor in zip(bucket, tensors, strict=True):
-                fingerprint.add(spec.name, tensor)
-            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
-            self.sender.send(version, index, len(buckets), flat)
-        if self.sender is None:
-            return None
-        write_fingerprint(path, fingerprint.hexdigest())
+        fingerprint = self.sender.transfer(offer, groups, stream)
+        write_fingerprint(path, fingerprint)
         if self.sender.groups:
             log.info(
                 f"v{version} sent to {len(self.sender.groups)} replica group(s) in "
-                f"{time.perf_counter() - started:.2f}s ({len(buckets)} bucket(s))"
+                f"{time.perf_counter() - started:.2f}s ({len(offer.buckets)} bucket(s))"
             )
         else:
             log.info(f"v{version} went to no replica (each serves it already, or no rollout can use it any more)")
-        return fingerprint.hexdigest()
+        return fingerprint
 
     def _answer(self, offer: Offer, path: Path) -> dict[str, int]:
         """The orchestrator's answer to `offer`: the replica groups that take it (name -> members). Once the

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from primerl.transport.atomic import atomic_dir, write_json
-from primerl.transport.collective import TensorSpec, spec_of
 from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.offer import TensorSpec, spec_of
 from primerl.transport.weights import FINGERPRINT_FILE
 
 _COPIED_FILES = (

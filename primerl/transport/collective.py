@@ -24,73 +24,20 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from ipaddress import ip_address
 
 import torch
 import torch.distributed as dist
 
+from primerl.transport.fingerprint import Fingerprint
+from primerl.transport.offer import Offer, TensorSpec, in_buckets
 from primerl.utils.log import get_logger
+from primerl.utils.process import is_loopback
 
 log = get_logger(__name__)
 
 
 class TransferError(RuntimeError):
     """A collective weight transfer that failed or stalled past `weights.timeout_s`."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # torch's name without the prefix: "bfloat16"
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-
-
-def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-
-
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
-    """Consecutive runs of `specs` of one dtype and at most `bucket_bytes` each (a larger tensor is a bucket alone)."""
-    buckets: list[list[TensorSpec]] = []
-    size = 0
-    for spec in specs:
-        if not buckets or spec.dtype != buckets[-1][0].dtype or size + spec.nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(spec)
-        size += spec.nbytes
-    return buckets
-
-
-@dataclass
-class Offer:
-    id: str  # unique per offer: an answer names the offer it answers
-    version: int
-    sender: str  # unique per WeightSender (a restarted trainer is another sender)
-    store: str  # host:port of trainer rank 0's TCPStore
-    backend: str  # gloo | nccl
-    timeout_s: float
-    buckets: list[list[TensorSpec]]
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Offer":
-        buckets = [[TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in bucket] for bucket in data["buckets"]]
-        return cls(**{**data, "buckets": buckets})
 
 
 def _options(backend: str, timeout_s: float, host: str):
@@ -107,15 +54,6 @@ def _options(backend: str, timeout_s: float, host: str):
     return options
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def join_group(
     store: dist.Store, name: str, rank: int, world: int, backend: str, timeout_s: float, host: str
 ) -> dist.ProcessGroup:
@@ -129,10 +67,6 @@ def join_group(
 
 def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
-    group.broadcast([flat], dist.BroadcastOptions()).wait()
 
 
 class WeightSender:
@@ -184,16 +118,27 @@ class WeightSender:
             thread.join()
         self.groups |= joined
 
-    def send(self, version: int, index: int, count: int, flat: torch.Tensor) -> None:
-        """Broadcast bucket `index` (of `count`) into every group at once; a group that fails is dropped, one line."""
+    def transfer(self, offer: Offer, groups: dict[str, int], named: Iterator[tuple[str, torch.Tensor]]) -> str:
+        """Join `groups` (name -> members), then send the offer's buckets, cut from `named` in the announced order,
+        into every group at once. Returns the fingerprint of what it sent (primerl.transport.fingerprint)."""
+        self.connect(offer.version, groups)
+        fingerprint = Fingerprint()
+        for index, specs, tensors in in_buckets(offer, named):
+            for spec, tensor in zip(specs, tensors, strict=True):
+                fingerprint.add(spec.name, tensor)
+            self._send(offer, index, torch.cat([tensor.reshape(-1) for tensor in tensors]))
+        return fingerprint.hexdigest()
+
+    def _send(self, offer: Offer, index: int, flat: torch.Tensor) -> None:
+        """Broadcast bucket `index` into every group at once; a group that fails is dropped, one line."""
         works = {name: group.broadcast([flat], dist.BroadcastOptions()) for name, group in self.groups.items()}
         for name, work in works.items():
             try:
                 work.wait()
             except RuntimeError as err:
                 log.warning(
-                    f"collective weights v{version}: bucket {index + 1}/{count} to group {name} failed on the "
-                    f"trainer side ({_first_line(err)}); that replica is left out until it joins again"
+                    f"collective weights v{offer.version}: bucket {index + 1}/{len(offer.buckets)} to group {name} "
+                    f"failed on the trainer side ({_first_line(err)}); that replica is left out until it joins again"
                 )
                 del self.groups[name]
 
@@ -239,7 +184,7 @@ class WeightReceiver:
         for index, bucket in enumerate(offer.buckets):
             flat = torch.empty(sum(s.numel for s in bucket), dtype=getattr(torch, bucket[0].dtype), device=device)
             try:
-                broadcast(group, flat)
+                group.broadcast([flat], dist.BroadcastOptions()).wait()
             except RuntimeError as err:
                 del self.groups[(offer.sender, name)]
                 self.joins += 1

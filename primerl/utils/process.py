@@ -1,5 +1,6 @@
-"""Operating-system helpers every process may need: stopping process groups, picking a free port."""
+"""Operating-system helpers every process may need: stopping process groups, picking a free port, telling loopback."""
 
+import ipaddress
 import os
 import signal
 import socket
@@ -13,6 +14,16 @@ NESTED_GRACE_S = STOP_GRACE_S / 2
 SIGKILLs them. Shorter than its parent's grace: a parent's SIGKILL that lands first reaches only the child's own
 group, and grandchildren that lead groups of their own would be left with the parent-death SIGTERM they already had
 (seen: a vLLM server whose uvicorn waited on a request of its dead engine outlived the run by a minute)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface (`localhost` or an address in 127.0.0.0/8 or ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
 
 
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:

@@ -18,10 +18,11 @@ from primerl.trainer.dist import close_distributed, init_distributed
 from primerl.trainer.publish import Publisher
 from primerl.trainer.trainer import Trainer
 from primerl.transport.atomic import is_stable
-from primerl.transport.collective import Offer, WeightReceiver
+from primerl.transport.collective import WeightReceiver
 from primerl.transport.config import WeightsConfig, WeightTransport
+from primerl.transport.offer import read_offer
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, answer_offer, published_fingerprint, read_json_file
+from primerl.transport.weights import answer_offer, published_fingerprint
 from primerl.utils.wait import wait_until
 
 BUCKET_MB = 1  # the tiny models are a few MiB: several buckets
@@ -36,7 +37,7 @@ def move_every_weight(trainer: Trainer) -> None:
 def play_inference_worker(path: Path, out: Path) -> None:
     """What the orchestrator and one vLLM worker do with an offer: answer it, then receive it."""
     wait_until(lambda: is_stable(path), f"the offer at {path}")
-    offer = Offer.from_json(read_json_file(path / OFFER_FILE))
+    offer = read_offer(path)
     answer_offer(path, offer.id, {"r0-test": 2})
     received = dict(WeightReceiver().tensors(offer, "r0-test", 1, 2, torch.device("cpu")))
     save_file({name: tensor.clone() for name, tensor in received.items()}, out)
