@@ -29,7 +29,7 @@ class OrchestratorMetric:
     POLICY_VERSION = "policy_version"  # served when the batch was cut
     INFLIGHT = "inflight/rollouts"  # in flight when the batch was cut
     BUFFERED = "queue/buffered_samples"  # left over for the next batches after the cut
-    INFERENCE_IDLE = "inference/idle_fraction"  # of the wall time since the previous cut with no running request
+    INFERENCE_IDLE = "inference/idle_fraction"  # of the replicas' time since the previous cut, none running (sampled)
     REPLICAS_UP = "inference/replicas_up"  # inference replicas taking rollouts when the batch was cut
     ROLLOUTS_REROUTED = "rollouts/rerouted"  # run again on another replica after theirs went down, since the cut
     ENV_WORKERS_UP = "env/workers_up"  # env worker processes taking rollouts when the batch was cut (env.workers)

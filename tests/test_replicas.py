@@ -36,6 +36,7 @@ class FakeServer:
         self.load_s = 0.01
         self.process = 0  # its workers' process: a restart gives its collective group a new name
         self.groups: list[str] = []  # the groups its collective loads were received in
+        self.metrics_reads = 0
 
     async def health(self) -> bool | None:
         return None if self.hung else await self.healthy()
@@ -71,6 +72,7 @@ class FakeServer:
         return Loaded(0.01, fingerprint_of_version(version))
 
     async def running_requests(self) -> float | None:
+        self.metrics_reads += 1
         return 0.0 if self.up else None
 
     async def collective_group(self, replica: int) -> tuple[str, int]:
@@ -152,6 +154,20 @@ def test_rollouts_go_to_the_least_loaded_up_replica_and_a_dead_ones_run_again_el
         assert isinstance(entries[0], RolloutFailure) and not replicas.serving
 
     asyncio.run(main())
+
+
+def test_the_idle_gauge_reads_one_up_replica_per_poll_in_turn():
+    servers, replicas, _, _ = replica_set(3)
+    replicas.mark_down(1, "test")
+
+    async def main():
+        return [await replicas.running_requests() for _ in range(5)]
+
+    assert asyncio.run(main()) == [0.0] * 5
+    assert [s.metrics_reads for s in servers] == [3, 0, 2]  # 0, 2, 0, 2, 0: one request a poll, none to the down one
+    for index in (0, 2):
+        replicas.mark_down(index, "test")
+    assert asyncio.run(main()) == [None] * 5 and sum(s.metrics_reads for s in servers) == 5  # none up: nothing read
 
 
 def test_a_rollout_on_a_replica_marked_down_runs_again_elsewhere_at_once():

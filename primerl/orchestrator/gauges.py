@@ -2,8 +2,9 @@
 
 - `LoopLag`: how late a 50 ms timer fires on the orchestrator's event loop. Anything that blocks the loop (synchronous
   I/O, a long computation) shows here as lag, and delays every rollout at once.
-- `IdleSampler`: polls the inference server's `num_requests_running` (vLLM's /metrics) every `period_s`; the idle
-  fraction is the share of polls that found no running request. At 4 polls/s the cost is one small HTTP request each.
+- `IdleSampler`: polls one inference replica's `num_requests_running` (vLLM's /metrics) every `period_s`, the
+  replicas in turn; the idle fraction is the share of polls that found no running request: of the replicas' time,
+  the share they had nothing to run. At 4 polls/s the cost is one small HTTP request each, however many replicas.
 """
 
 import asyncio
