@@ -14,6 +14,7 @@ from primerl.trainer.config import LossConfig
 from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.trainer.loss import policy_loss
 from primerl.transport.batches import CorruptBatch, RolloutBatch, Sample, read_rollout_batch, write_rollout_batch
+from primerl.transport.packing import pack_sequences
 from primerl.transport.run_dir import rollout_path
 from primerl.utils.errors import RunError
 
@@ -49,6 +50,12 @@ def test_build_batch_packing_invariants():
     assert int((pos == 0).sum()) >= 7  # each sequence restarts its positions
     with pytest.raises(ValueError, match="no samples"):
         build_batch([], step=0, seq_len=20, micro_batch_size=2, pad_id=0, temperature=1.0, async_level=1)
+
+
+def test_packing_refuses_a_field_that_does_not_match_its_tokens():
+    sequences = [{"input_ids": [1, 2], "loss_mask": [True, False]}, {"input_ids": [1, 2, 3], "loss_mask": [True, True]}]
+    with pytest.raises(ValueError, match="sequence 1: loss_mask has 2 values for 3 tokens"):
+        pack_sequences(sequences, 8, {"input_ids": 0, "loss_mask": False})
 
 
 def test_loss_matches_hand_computation():

@@ -147,7 +147,8 @@ class Dispatcher:
     async def _run_rollout(self, task: Any, seed: int | None) -> tuple[list[Rollout | RolloutFailure], int, float]:
         started = time.perf_counter()
         try:
-            entries = await asyncio.wait_for(self.runner.run(task, seed), self.rollout_timeout_s)
+            async with asyncio.timeout(self.rollout_timeout_s):  # in this task: wait_for would start one per rollout
+                entries = await self.runner.run(task, seed)
         except TimeoutError:
             entries = [RolloutFailure(f"rollout exceeded orchestrator.rollout_timeout_s={self.rollout_timeout_s:g}")]
         except asyncio.CancelledError:

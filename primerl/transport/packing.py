@@ -34,14 +34,16 @@ def pack_sequences(sequences: list[dict[str, list]], seq_len: int, pad: dict[str
             used.append(n)
     out = {key: torch.full((len(rows), seq_len), value, dtype=_dtype(value)) for key, value in pad.items()}
     out["position_ids"] = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for index in members:
-            seq = sequences[index]
-            n = len(seq["input_ids"])
-            for key in pad:
-                out[key][r, start : start + n] = torch.tensor(seq[key], dtype=out[key].dtype)
-            out["position_ids"][r, start : start + n] = torch.arange(n)
-            start += n
-        out["position_ids"][r, start:] = torch.arange(seq_len - start)  # padding: one more, fully masked segment
+    for r, members in enumerate(rows):  # one tensor per field and row: per sequence, the small copies cost more
+        lengths = [len(sequences[index]["input_ids"]) for index in members]
+        for key in pad:
+            values = []
+            for index, n in zip(members, lengths, strict=True):
+                if len(sequences[index][key]) != n:
+                    raise ValueError(f"sequence {index}: {key} has {len(sequences[index][key])} values for {n} tokens")
+                values += sequences[index][key]
+            out[key][r, : used[r]] = torch.tensor(values, dtype=out[key].dtype)
+        # positions restart at each sequence; the padding is one more, fully masked segment
+        positions = [p for n in [*lengths, seq_len - used[r]] for p in range(n)]
+        out["position_ids"][r] = torch.tensor(positions)
     return out
