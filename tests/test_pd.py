@@ -2,6 +2,7 @@
 directory of the run from the prefill to the decode server, and primerl's router puts both behind one address."""
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -101,7 +102,8 @@ def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_
 def test_a_short_rl_run_goes_through_prefill_and_decode(cache_dir, tmp_path):
     """`primerl.train` with `inference.pd.enabled`: the inference process starts both servers and the router at
     inference.port; every rollout's KV crosses from prefill to decode; new policies reach both; step 0 trains on the
-    trainer's own log-probs as with one server."""
+    trainer's own log-probs as with one server. `primerl.eval` of its policy with the same settings goes through a
+    prefill/decode pair and the router too."""
     from primerl.metrics import read_metrics
     from tests.conftest import run_module
 
@@ -126,3 +128,23 @@ def test_a_short_rl_run_goes_through_prefill_and_decode(cache_dir, tmp_path):
     assert re.search(r"policy v\d -> v3 loaded in flight", (run / "logs" / "orchestrator.log").read_text())
     decode_log = next(p for p in (run / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text())
     assert decode_log.read_text().count("External Cache Hit") >= 16  # the decode server loaded prompts' KV
+
+    evaluated = tmp_path / "eval"
+    result = run_module(
+        "primerl.eval",
+        "+experiment=reverse_text",
+        *cpu_pd_overrides([0, free_port(), free_port()]),
+        f"eval.run={run}",
+        "eval.num_tasks=8",
+        "eval.samples_per_task=2",
+        "eval.k=2",
+        f"cache_dir={cache_dir}",
+        f"hydra.run.dir={evaluated}",
+        "ledger.enabled=false",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads((evaluated / "eval.json").read_text())
+    assert summary["rollouts"] == 16 and summary["failures"] == 0
+    decode_log = next(p for p in (evaluated / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text())
+    assert decode_log.read_text().count("External Cache Hit") >= 16  # each rollout's prompt KV came from prefill

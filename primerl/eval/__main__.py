@@ -21,10 +21,12 @@ names.
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -37,7 +39,7 @@ from primerl.envs.scoring import TaskResult, run_tasks, summarize
 from primerl.model.adapter import adapter_settings
 from primerl.model.config import LoraConfig
 from primerl.transport.atomic import is_stable, write_json
-from primerl.transport.run_dir import eval_summary_path, log_path, scratch_prefix, weights_path
+from primerl.transport.run_dir import eval_summary_path, log_path, pd_kv_store, scratch_prefix, weights_path
 from primerl.transport.weights import is_adapter, latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -75,11 +77,41 @@ def held_out_env(cfg: RunConfig) -> EnvConfig:
     return cfg.env.held_out()
 
 
+@contextlib.contextmanager
+def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None) -> Iterator[str]:
+    """The URL to evaluate against, served while the context lasts: one server (the first of `inference.replicas`:
+    one is enough to evaluate), or with `inference.pd.enabled` the prefill and decode servers behind primerl's router
+    at `inference.port`, as a training run serves them."""
+    from primerl.inference.pd_router import start_router
+    from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
+    from primerl.inference.vllm_args import render_specs
+
+    inf = cfg.inference
+    specs = render_specs(cfg, model_path, device, adapter)
+    servers = [
+        VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), scratch_prefix(cfg.output_dir, "vllm"))
+        for spec in (specs if inf.pd.enabled else specs[:1])
+    ]
+    router = None
+    try:
+        start_side_by_side(servers, inf.startup_timeout_s)
+        if not inf.pd.enabled:
+            yield servers[0].base_url
+            return
+        prefill, decode = servers
+        kv_store = pd_kv_store(cfg.output_dir)
+        router = start_router(inf.host, inf.port, prefill.base_url, decode.base_url, kv_store, prefill.spec.env)
+        yield f"http://{inf.host}:{inf.port}"
+    finally:
+        if router is not None:
+            router.should_exit = True
+        stop_side_by_side(servers)
+
+
 def evaluate(cfg: RunConfig, model_path: str) -> dict:
     """Serve `model_path`, run the env's tasks, return the summary (also what `eval.json` holds)."""
     from primerl.envs.verifiers_env import env_runner, load_env
-    from primerl.inference.server import VllmServer
-    from primerl.inference.vllm_args import check_supported, render_specs, resolve_device
+    from primerl.inference.vllm_args import check_supported, resolve_device
 
     e = cfg.eval
     inf = dataclasses.replace(cfg.inference, port=cfg.inference.port or free_port())
@@ -95,11 +127,8 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
     if is_adapter(model_path):  # a LoRA run's policy: served over the base model it names
         adapter, (model_path, rank) = model_path, adapter_settings(model_path)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=rank)))
-    # one server: the decode server with PD, the first with inference.replicas (one is enough to evaluate)
-    spec = render_specs(cfg, model_path, device, adapter)[-1 if inf.pd.enabled else 0]
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
-    server = VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), scratch_prefix(cfg.output_dir, "vllm"))
-    with server.start(inf.startup_timeout_s):
+    with served_at(cfg, model_path, device, adapter) as base_url:
         runner = env_runner(
             env,
             model_path,
@@ -107,7 +136,7 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
             e.temperature,
             e.max_tokens or cfg.orchestrator.max_tokens,
             cfg.orchestrator.sampling_args,
-            spec.base_url,
+            base_url,
         )
 
         async def main() -> list[TaskResult]:
