@@ -245,7 +245,8 @@ def publish(run_dir, version: int) -> None:
 def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_policy(tmp_path):
     servers, replicas, runners, runner = replica_set(2)
     policy, changes = Policy(), []
-    watcher = Watcher(tmp_path, replicas, policy, 0.01, 0.5, on_change=lambda: changes.append(policy.version))
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 0.5)
+    watcher.on_change = lambda: changes.append(policy.version)  # set after building, as the orchestrator does
 
     async def main():
         task = asyncio.create_task(watcher.run())
@@ -263,8 +264,10 @@ def test_weights_go_to_every_up_replica_and_a_returning_one_gets_the_current_pol
         # it comes back restarted, serving the start weights: it gets v2 before it takes rollouts again
         servers[0].served = 0
         servers[0].up = True
+        told = len(changes)
         await until(lambda: replicas.up == [True, True])
         assert servers[0].served == 2 and watcher.recoveries == 1
+        assert changes[told:] == [2]  # the orchestrator is told a replica is back (its dispatcher wakes)
         # every replica down: admission stops; the first back gets the newest published policy
         await all_down(servers, watcher)
         publish(tmp_path, 3)

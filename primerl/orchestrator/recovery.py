@@ -44,12 +44,8 @@ class Recovery:
         """`wake`: make the watcher poll now (an offer may wait for a joining replica). `on_change`: a replica is
         back (the orchestrator wakes its dispatcher)."""
         self.run_dir, self.replicas, self.policy, self.arrival = run_dir, replicas, policy, arrival
-        self.recovery_timeout_s, self.addresses, self.wake, self.on_change = (
-            recovery_timeout_s,
-            addresses,
-            wake,
-            on_change,
-        )
+        self.recovery_timeout_s, self.addresses = recovery_timeout_s, addresses
+        self.wake, self.on_change = wake, on_change
         self.recovered = 0  # replicas brought back, cumulative
         self.joining: dict[int, asyncio.Future[bool]] = {}  # replicas waiting for the next offer: whether they took it
         self._tasks: dict[int, asyncio.Task] = {}

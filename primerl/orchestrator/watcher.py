@@ -67,8 +67,10 @@ class Watcher:
         self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s
         self.arrival = Arrival(run_dir, replicas.clients, transfer_timeout_s)
         self._suspect = asyncio.Event()
+        # `on_change` read when called: the orchestrator sets it after building the watcher
+        back = lambda: self.on_change()  # noqa: E731
         self.recovery = Recovery(
-            run_dir, replicas, policy, self.arrival, recovery_timeout_s, addresses, self._suspect.set, on_change
+            run_dir, replicas, policy, self.arrival, recovery_timeout_s, addresses, self._suspect.set, back
         )
         self._load_failures = 0
         self._last_probe = time.monotonic()
