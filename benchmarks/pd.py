@@ -21,11 +21,10 @@ from primerl_reverse_text.texts import make_texts, prompt_messages
 from transformers import AutoTokenizer
 
 from primerl.config.cli import check
-from primerl.inference.pd_router import start_router
+from primerl.inference.pd_router import start_routers
 from primerl.inference.server import VllmServer, start_side_by_side
 from primerl.inference.vllm_args import render_specs
 from primerl.model.resolve import prepare_base_model
-from primerl.transport.run_dir import pd_kv_store
 from primerl.transport.weights import SERVED_MODEL_NAME
 from primerl.utils.process import free_port
 
@@ -92,7 +91,7 @@ def main() -> None:
     try:
         start_side_by_side(servers)
         prefill, decode, single = servers
-        start_router("127.0.0.1", ports[0], prefill.base_url, decode.base_url, pd_kv_store(run), prefill.spec.env)
+        start_routers(cfg.inference, run, prefill.spec.env)
         urls = {"one server": single.base_url, "prefill/decode": f"http://127.0.0.1:{ports[0]}"}
         rates, ttft = {name: [] for name in urls}, {name: [] for name in urls}
         for r in range(args.rounds + 1):  # round 0 warms up and is not counted

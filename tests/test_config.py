@@ -92,7 +92,7 @@ def test_every_group_option_composes(group, option):
         (["launcher.name=k8s"], "launcher.name", "is not one of [local, slurm]"),
         (["launcher.trainer_nodes=2"], "launcher.trainer_nodes", "need launcher=slurm"),
         (["launcher=slurm", "launcher.time_limit_min=1"], "launcher.signal_delay_s", "not shorter than the time limit"),
-        (["launcher=slurm", "inference=vllm_pd"], "inference.pd.enabled", "not placed by launcher=slurm"),
+        (["inference=vllm_pd", "inference.pd.role=decode"], "inference.pd.role", "is set by launcher=slurm"),
         (["weights.transport=collective", "model.lora.rank=8"], "weights.transport", "a LoRA policy is an adapter"),
         (["weights.transport=collective", "inference=vllm_pd"], "weights.transport", "load weights from files only"),
         (
@@ -101,8 +101,18 @@ def test_every_group_option_composes(group, option):
             "inference workers on other nodes cannot reach the trainer there",
         ),
         (["weights.transport=files"], "weights.transport", "filesystem"),
-        (["inference=vllm_pd", "inference.pd.decode_port=8100"], "inference.pd.decode_port", "name the same port"),
+        (["inference=vllm_pd", "inference.pd.decode_port=8100"], "inference.pd.decode_port", "share ports"),
         (["inference=vllm_pd", "inference.port=8200"], "inference.pd.decode_port", "inference.port, inference.pd"),
+        (
+            ["inference=vllm_pd", "inference.replicas=3", "inference.pd.decode_port=8102"],
+            "inference.pd.decode_port",
+            "inference.pd.prefill_port, inference.pd.decode_port share ports over inference.replicas=3 pairs",
+        ),
+        (
+            ["inference=vllm_pd", "inference.pd.decode_port=65535", "inference.replicas=2"],
+            "inference.pd.decode_port",
+            "past port 65535",
+        ),
         (["launcher=slurm", "+launcher.sbatch.infer.exclude=node1"], "launcher.sbatch.infer", "is not a job role"),
     ],
 )
@@ -302,10 +312,10 @@ def test_a_hub_model_resolves_to_its_cached_snapshot_and_offline_uncached_is_one
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_gpu_plan_gives_each_replica_and_trainer_rank_its_own_gpu(monkeypatch):
+def test_gpu_plan_gives_each_inference_server_and_trainer_rank_its_own_gpu(monkeypatch):
     """The local launcher's CUDA_VISIBLE_DEVICES per process (primerl/config/gpus.py), from counts or lists; sharing
     one GPU only when asked, with vLLM's memory share bounded; every bad layout one line naming the key."""
-    from primerl.config.gpus import plan_gpus, visible_gpus
+    from primerl.config.gpus import job_server_env, plan_gpus, visible_gpus
 
     def plan(visible: list[str], *overrides: str):
         cfg = check(list(overrides))
@@ -313,10 +323,17 @@ def test_gpu_plan_gives_each_replica_and_trainer_rank_its_own_gpu(monkeypatch):
 
     assert plan([]).trainer_env() == {} and plan([]).orchestrator_env() == {}  # no CUDA: nothing set
     two = plan(["0", "1"])
-    assert two.replica_env(0) == {"CUDA_VISIBLE_DEVICES": "0"} and two.trainer_env() == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert two.server_env(0) == {"CUDA_VISIBLE_DEVICES": "0"} and two.trainer_env() == {"CUDA_VISIBLE_DEVICES": "1"}
     assert two.orchestrator_env() == {"CUDA_VISIBLE_DEVICES": ""}
     four = plan(["0", "1", "2", "3"], "inference.replicas=2", "launcher.trainer_tasks_per_node=2")
     assert four.inference == ("0", "1") and four.trainer == ("2", "3")
+    pairs = plan([str(g) for g in range(5)], "inference.replicas=2", "inference.pd.enabled=true")
+    assert pairs.inference == ("0", "1", "2", "3") and pairs.trainer == ("4",)  # prefill and decode: one GPU each
+    assert [job_server_env(["4", "5", "6", "7"], 2, s) for s in (0, 1)] == [
+        {"CUDA_VISIBLE_DEVICES": "4,5"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"},
+    ]
+    assert job_server_env(["0"], 2, 1) == {}  # fewer GPUs than servers: they share the job's
     picked = plan(["0", "1", "2", "3"], "launcher.inference_gpu_ids=[3]", "launcher.trainer_gpu_ids=[0]")
     assert picked.inference == ("3",) and picked.trainer == ("0",)
     assert plan(["0", "1", "2"], "launcher.inference_gpu_ids=[1]").trainer == ("0",)  # the rest, in order
@@ -349,7 +366,7 @@ def test_gpu_plan_gives_each_replica_and_trainer_rank_its_own_gpu(monkeypatch):
             ["0", "1", "2"],
             ["inference.replicas=2", "launcher.inference_gpus=1"],
             "launcher.inference_gpus",
-            "1 GPU(s) for 2 inference replica(s)",
+            "1 GPU(s) for 2 inference server(s)",
         ),
     ]:
         with pytest.raises(ConfigError) as err:

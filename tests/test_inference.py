@@ -2,6 +2,7 @@
 per-update cache salt, the key on every route, refusals."""
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -16,6 +17,7 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.config.cli import check
+from primerl.inference.config import served_ports
 from primerl.inference.server import InferenceStartError, VllmServer
 from primerl.inference.vllm_args import ServerSpec, check_supported, render_specs
 from primerl.model.resolve import prepare_base_model
@@ -255,6 +257,34 @@ def test_fp8_and_pd_render_on_gpu_and_their_gpu_parts_refuse_on_cpu():
     assert (prefill.port, decode.port) == (8100, 8200)
     with pytest.raises(ConfigError, match="inference.pd.kv_connector"):
         check_supported(pd.inference, "cpu")  # NixlConnector; ExampleConnector runs on CPU (tests/test_pd.py)
+
+
+def _kv_store(spec) -> str:
+    return json.loads(spec.args[spec.args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
+        "shared_storage_path"
+    ]
+
+
+def test_pd_pairs_render_per_replica_and_per_slurm_side(tmp_path):
+    """Two replicas with PD are two pairs, prefill then decode each, on consecutive ports and with a KV store each;
+    on SLURM a prefill job renders its prefill servers alone and a decode job its decode servers, the stores named by
+    the run-wide pair index (`inference.pd.first_pair`) so that both sides of a pair meet in the same one."""
+    base = ["inference=vllm_pd", "inference.pd.kv_connector=ExampleConnector", "inference.replicas=2"]
+    base += [f"output_dir={tmp_path}"]
+    specs = render_specs(check(base), "/m", "cpu")
+    assert [spec.port for spec in specs] == [8100, 8200, 8101, 8201]
+    assert [Path(_kv_store(spec)).name for spec in specs] == ["0", "0", "1", "1"]
+    assert served_ports(check(base).inference) == [8000, 8200, 8100, 8001, 8201, 8101]
+    slurm = [*base, "launcher=slurm", "inference.pd.first_pair=2"]
+    prefills = render_specs(check([*slurm, "inference.pd.role=prefill", "inference.pd.prefill_port=9000"]), "/m", "cpu")
+    decode_cfg = check([*slurm, "inference.pd.role=decode", "inference.pd.decode_port=9000", "inference.port=9002"])
+    decodes = render_specs(decode_cfg, "/m", "cpu")  # the prefill ports are another node's: no clash with 9000
+    assert [s.port for s in prefills] == [9000, 9001] and [s.port for s in decodes] == [9000, 9001]
+    assert all('"kv_role":"kv_producer"' in " ".join(s.args) for s in prefills)
+    assert all('"kv_role":"kv_consumer"' in " ".join(s.args) for s in decodes)
+    assert [_kv_store(s) for s in prefills] == [_kv_store(s) for s in decodes]
+    assert [Path(_kv_store(s)).name for s in prefills] == ["2", "3"]
+    assert served_ports(decode_cfg.inference) == [9002, 9000, 9003, 9001]
 
 
 def _prefix_hits(srv) -> float:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.pd import cpu_pd_overrides
 from primerl.config.cli import check
-from primerl.inference.pd_router import start_router
+from primerl.inference.pd_router import start_routers
 from primerl.inference.server import VllmServer, start_side_by_side
 from primerl.inference.vllm_args import check_supported, render_specs
 from primerl.model.resolve import prepare_base_model
@@ -37,6 +37,25 @@ def _generate(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def _completion_body(prompt: list[int]) -> dict:
+    return {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+def _completion(url: str, prompt: list[int]) -> str:
+    r = httpx.post(f"{url}/v1/completions", json=_completion_body(prompt), timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def _streamed(url: str, prompt: list[int]) -> list[str]:
+    """The text pieces of a streamed completion, in order."""
+    body = {**_completion_body(prompt), "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(event)["choices"][0]["text"] for event in events if event != "[DONE]"]
 
 
 @torch.no_grad()
@@ -65,18 +84,19 @@ def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_
     try:
         start_side_by_side(servers)
         prefill, decode, alone = servers
-        router = start_router(
-            "127.0.0.1", ports[0], prefill.base_url, decode.base_url, pd_kv_store(tmp_path), prefill.spec.env
-        )
+        (router,) = start_routers(cfg.inference, tmp_path, prefill.spec.env)
         url = f"http://127.0.0.1:{ports[0]}"
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 200 and health.headers[SERVER_ID_HEADER] == server_identity(tmp_path)
         ids, logprobs = _generate(url, prompt)
         expected_ids, expected_logprobs = _generate(alone.base_url, prompt)
         assert ids == expected_ids and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
-        assert any(pd_kv_store(tmp_path).iterdir())  # the prefill server stored the prompt's KV...
+        assert any(pd_kv_store(tmp_path, 0).iterdir())  # the prefill server stored the prompt's KV...
         hits = len(re.findall("External Cache Hit", decode.log_path.read_text()))
         assert hits == 1  # ...and the decode server loaded it instead of prefilling
+        chunks = _streamed(url, prompt)
+        assert len(chunks) > 1 and "".join(chunks) == _completion(alone.base_url, prompt)  # streamed through PD
+        assert len(re.findall("External Cache Hit", decode.log_path.read_text())) == 2
 
         state = AutoModelForCausalLM.from_pretrained(model).state_dict()
         torch.manual_seed(1)
@@ -90,29 +110,31 @@ def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_
                 return await client.policy_version()  # both servers' workers, or an error
 
         assert asyncio.run(update()) == 1
-        assert not any(pd_kv_store(tmp_path).iterdir())  # the old weights' KV went with the pause
+        assert not any(pd_kv_store(tmp_path, 0).iterdir())  # the old weights' KV went with the pause
         ids, _ = _generate(url, prompt)
         assert ids == _greedy(new_dir, prompt) != expected_ids
-        router.should_exit = True
+        router.stop()
     finally:
         for server in servers:
             server.stop()
 
 
-def test_a_short_rl_run_goes_through_prefill_and_decode(cache_dir, tmp_path):
-    """`primerl.train` with `inference.pd.enabled`: the inference process starts both servers and the router at
-    inference.port; every rollout's KV crosses from prefill to decode; new policies reach both; step 0 trains on the
-    trainer's own log-probs as with one server. `primerl.eval` of its policy with the same settings goes through a
-    prefill/decode pair and the router too."""
+def test_a_short_rl_run_goes_through_two_prefill_decode_pairs(cache_dir, tmp_path):
+    """`primerl.train` with `inference.pd.enabled` and two replicas: the inference process starts two prefill/decode
+    pairs and a router in front of each at inference.port + i; the orchestrator spreads rollouts over the routers;
+    every rollout's KV crosses from its pair's prefill to its decode server; new policies reach all four servers;
+    step 0 trains on the trainer's own log-probs as with one server. `primerl.eval` of its policy with the same
+    settings goes through a prefill/decode pair and its router too."""
     from primerl.metrics import read_metrics
     from tests.conftest import run_module
 
-    run = tmp_path / "run"
+    run, servers = tmp_path / "run", free_port(count=4)  # prefill ports, then decode ports
     result = run_module(
         "primerl.train",
         "+experiment=reverse_text",
         "sft.enabled=false",
-        *cpu_pd_overrides([0, free_port(), free_port()]),  # the router on a free port
+        *cpu_pd_overrides([0, servers, servers + 2]),  # the routers on free ports
+        "inference.replicas=2",
         "trainer.max_steps=3",
         "orchestrator.batch_size=16",
         "orchestrator.group_size=4",
@@ -122,12 +144,14 @@ def test_a_short_rl_run_goes_through_prefill_and_decode(cache_dir, tmp_path):
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "routed at http://127.0.0.1:" in (run / "logs" / "inference.log").read_text()
+    assert len(re.findall(r"routed at http://127\.0\.0\.1:", (run / "logs" / "inference.log").read_text())) == 2
     trainer = read_metrics(run, "trainer")
     assert [r["step"] for r in trainer] == [0, 1, 2] and trainer[0]["mismatch_kl"] < 1e-4
     assert re.search(r"policy v\d -> v3 loaded in flight", (run / "logs" / "orchestrator.log").read_text())
-    decode_log = next(p for p in (run / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text())
-    assert decode_log.read_text().count("External Cache Hit") >= 16  # the decode server loaded prompts' KV
+    decode_logs = [p.read_text() for p in (run / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text()]
+    hits = [text.count("External Cache Hit") for text in decode_logs]
+    assert len(hits) == 2 and min(hits) >= 4 and sum(hits) >= 16, hits  # each pair's decode server loaded prompts' KV
+    assert {p.name for p in (run / "pd_kv").iterdir()} == {"0", "1"}  # each pair its own store
 
     evaluated = tmp_path / "eval"
     result = run_module(

@@ -3,6 +3,7 @@ another, weights loaded into every replica, and a replica taken back with the cu
 real vLLM path is in tests/test_faults.py)."""
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -429,6 +430,47 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     )
     with pytest.raises(RuntimeError, match="no address from inference job 99"):
         stale._address_overrides()  # an earlier attempt's address is not this job's
+
+
+def test_prefill_and_decode_jobs_meet_through_their_addresses_and_the_routers_follow_a_moved_prefill_job(
+    tmp_path, monkeypatch
+):
+    """With PD on SLURM, inference job 1 (of 2, 2 pairs each) is a prefill job and a decode job: the prefill job
+    advertises its servers' first port, the decode job waits for it and points its routers there, both render pairs
+    2 and 3 (their KV stores); when the prefill job is requeued elsewhere the decode job's routers follow it."""
+    from primerl.config.cli import check
+    from primerl.inference.pd_router import PdRouter, follow_prefill
+    from primerl.launch.slurm import ModuleJob
+    from primerl.transport.address import advertised_urls, write_address
+
+    run = ["+experiment=reverse_text", "launcher=slurm", "inference.pd.enabled=true", "inference.replicas=4"]
+    run += ["inference.pd.kv_connector=ExampleConnector", "launcher.inference_jobs=2", f"output_dir={tmp_path}"]
+    job = {"inference_host": "0.0.0.0", "inference_replicas": 2, "inference_index": 1, "wait_s": 5}
+    monkeypatch.setenv("SLURM_JOB_ID", "21")
+    monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    prefill_job = ModuleJob("prefill-1", "primerl.inference", [], str(tmp_path), pd_role="prefill", **job)
+    prefill = check([*run, *prefill_job._address_overrides()]).inference
+    assert (prefill.replicas, prefill.pd.role.value, prefill.pd.first_pair) == (2, "prefill", 2)
+    monkeypatch.setenv("SLURM_JOB_ID", "22")
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    decode_job = ModuleJob(
+        "decode-1", "primerl.inference", [], str(tmp_path), pd_role="decode", prefill_job_id="21", **job
+    )
+    decode = check([*run, *decode_job._address_overrides()]).inference
+    assert (decode.pd.prefill_host, decode.pd.prefill_port) == ("node3", prefill.pd.prefill_port)
+    assert (decode.pd.role.value, decode.pd.first_pair, decode.port) == ("decode", 2, decode.pd.decode_port + 2)
+    assert advertised_urls(tmp_path, dataclasses.replace(decode, replicas=4), 2)[2:] == [
+        f"http://node2:{decode.port}",
+        f"http://node2:{decode.port + 1}",
+    ]  # the routers, as inference job 1
+    routers = [PdRouter(f"http://node3:{prefill.pd.prefill_port + i}", "", tmp_path) for i in range(2)]
+    assert follow_prefill(routers, tmp_path, decode) == []  # where it was
+    write_address(tmp_path, 1, "node1", 9500, "21", role="prefill")  # requeued onto node1
+    assert follow_prefill(routers, tmp_path, decode) == ["http://node1:9500", "http://node1:9501"]
+    assert [router.prefill_url for router in routers] == ["http://node1:9500", "http://node1:9501"]
+    stale = ModuleJob("decode-1", "primerl.inference", [], str(tmp_path), pd_role="decode", prefill_job_id="99", **job)
+    with pytest.raises(RuntimeError, match="no address from prefill job 99"):
+        stale._address_overrides()
 
 
 def test_a_replica_that_keeps_its_old_weights_is_caught_loaded_again_and_taken_out_until_it_serves_them(tmp_path):

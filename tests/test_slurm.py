@@ -65,11 +65,12 @@ def _driver(run: Path, *overrides: str, steps: int):
             driver.kill()
 
 
-def _job_ids(out: Path, timeout: float = 120) -> dict[str, str]:
+def _job_ids(out: Path, timeout: float = 120, roles: tuple[str, ...] = ("inference",)) -> dict[str, str]:
+    """The run's SLURM job ids by job name, once the driver named the orchestrator's, the trainer's and `roles`'."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ids = dict(re.findall(r"train: ([\w-]+) is SLURM job (\d+)", out.read_text()))
-        if {"inference", "orchestrator", "trainer"} <= set(ids):
+        if {*roles, "orchestrator", "trainer"} <= set(ids):
             return ids
         time.sleep(0.5)
     raise AssertionError(out.read_text()[-3000:])

@@ -84,3 +84,45 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     )
     record = json.loads((run / "ledger.json").read_text())
     assert MlflowClient(record["tracking_uri"]).get_run(record["run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.long
+def test_prefill_and_decode_jobs_on_their_own_nodes_serve_a_run(slurm_nodes, cache_dir, tmp_path):
+    """`inference.pd.enabled` under launcher=slurm: the prefill job on node3 and the decode job on node2, each placed
+    by its own `launcher.sbatch` role; the decode job's router prefills on node3's server, whose KV reaches node2's
+    decode server through the run directory (ExampleConnector); new policies reach both nodes; every step trains
+    once."""
+    run, steps = tmp_path / "run", 3
+    overrides = [
+        "inference.host=0.0.0.0",
+        "inference.api_key=test-key",
+        "inference.pd.enabled=true",
+        "inference.pd.kv_connector=ExampleConnector",
+        f"cache_dir={cache_dir}",
+        "+launcher.sbatch.prefill.nodelist=node3",
+        "+launcher.sbatch.decode.nodelist=node2",
+        "+launcher.sbatch.trainer.nodelist=node1",
+        "+launcher.sbatch.orchestrator.nodelist=node1",
+    ]
+    with _driver(run, *overrides, steps=steps) as (driver, out):
+        jobs = _job_ids(out, roles=("prefill", "decode"))
+        _wait(lambda: _node_of(jobs["decode"]) or driver.poll() is not None, 300, out.read_text())
+        placed = {name: _node_of(jobs[name]) for name in ("prefill", "decode")}
+        driver.wait(timeout=900)
+    text = out.read_text()
+    assert driver.returncode == 0, text[-4000:]
+    assert placed == {"prefill": "node3", "decode": "node2"}, placed
+    assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(steps))
+    prefill = json.loads((run / "prefill_address.json").read_text())
+    assert prefill["host"] == "node3" and prefill["job_id"] == jobs["prefill"]
+    decode_log = (run / "logs" / "decode.log").read_text()
+    assert f"pair 0: prefill at http://node3:{prefill['port']}, decode at http://0.0.0.0:" in decode_log, decode_log[
+        -2000:
+    ]
+    assert json.loads((run / "inference_address.json").read_text())["host"] == "node2"  # the router, advertised
+    (decode_server,) = (run / "logs").glob("vllm-node2-*.log")
+    assert decode_server.read_text().count("External Cache Hit") >= 16  # prompts' KV came from node3
+    (prefill_server,) = (run / "logs").glob("vllm-node3-*.log")
+    assert "kv_producer" in prefill_server.read_text()
+    orchestrator_log = (run / "logs" / "orchestrator.log").read_text()
+    assert re.search(r"policy v\d -> v3 loaded in flight", orchestrator_log), orchestrator_log[-3000:]

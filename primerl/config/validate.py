@@ -7,7 +7,7 @@ from pathlib import Path
 from primerl.config.algorithm import check_algorithm
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
-from primerl.inference.config import OWNED_VLLM_FLAGS
+from primerl.inference.config import OWNED_VLLM_FLAGS, PdRole
 from primerl.launch.config import JOB_ROLES
 from primerl.model.config import ModelSource
 from primerl.transport.config import WeightTransport
@@ -78,14 +78,10 @@ def _inference(cfg: RunConfig) -> None:
             "orchestrator.max_tokens",
             f"{orch.max_tokens} leaves no room for the prompt in inference.max_model_len={inf.max_model_len}",
         )
-    if inf.replicas > 1 and inf.pd.enabled:
-        raise ConfigError(
-            "inference.replicas",
-            f"{inf.replicas} with inference.pd.enabled: replicas of a "
-            "prefill/decode pair are not supported; use one or the other",
-        )
     if inf.pd.enabled:
         _distinct_pd_ports(inf)
+    if inf.pd.role != PdRole.both and cfg.launcher.name != "slurm":
+        raise ConfigError("inference.pd.role", "is set by launcher=slurm for its prefill and decode jobs; leave it out")
     if inf.replicas % cfg.launcher.inference_jobs:
         raise ConfigError(
             "launcher.inference_jobs",
@@ -143,22 +139,32 @@ def _data(cfg: RunConfig) -> None:
 
 
 def _distinct_pd_ports(inf) -> None:
-    """The prefill/decode router (`inference.port`; 0: a free one) and its two servers each need a port of their own."""
+    """The routers (`inference.port` + i; 0: free ones) and the prefill and decode servers (`...prefill_port` + i,
+    `...decode_port` + i) of the replicas' pairs each need ports of their own, below 65536."""
+    served = {
+        PdRole.both: ("port", "prefill", "decode"),
+        PdRole.prefill: ("prefill",),
+        PdRole.decode: ("port", "decode"),
+    }
     named = [
         (key, port)
-        for key, port in (
-            ("inference.port", inf.port),
-            ("inference.pd.prefill_port", inf.pd.prefill_port),
-            ("inference.pd.decode_port", inf.pd.decode_port),
+        for side, key, port in (
+            ("port", "inference.port", inf.port),
+            ("prefill", "inference.pd.prefill_port", inf.pd.prefill_port),
+            ("decode", "inference.pd.decode_port", inf.pd.decode_port),
         )
-        if port
+        if port and side in served[inf.pd.role]  # on SLURM a prefill and a decode job are on their own nodes
     ]
-    ports = [port for _, port in named]
-    shared = [key for key, port in named if ports.count(port) > 1]
-    if shared:
-        raise ConfigError(
-            shared[-1], f"{', '.join(shared)} name the same port; the router and both servers need their own"
-        )
+    for i, (key, port) in enumerate(named):
+        if port + inf.replicas - 1 > 65535:
+            raise ConfigError(key, f"{inf.replicas} pairs from port {port} run past port 65535")
+        for other, other_port in named[:i]:
+            if abs(port - other_port) < inf.replicas:
+                raise ConfigError(
+                    key,
+                    f"{other}, {key} share ports over inference.replicas={inf.replicas} pairs; the routers and the "
+                    "prefill and decode servers each need their own",
+                )
 
 
 def _lora(cfg: RunConfig) -> None:
@@ -239,8 +245,6 @@ def _launcher(cfg: RunConfig) -> None:
                 "launcher.signal_delay_s",
                 f"{lc.signal_delay_s}s is not shorter than the time limit launcher.time_limit_min={lc.time_limit_min}",
             )
-        if cfg.inference.pd.enabled:
-            raise ConfigError("inference.pd.enabled", "prefill/decode servers are not placed by launcher=slurm yet")
         for role in lc.sbatch:
             if role not in JOB_ROLES:
                 raise ConfigError(f"launcher.sbatch.{role}", f"'{role}' is not a job role; one of {list(JOB_ROLES)}")

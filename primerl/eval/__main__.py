@@ -39,7 +39,7 @@ from primerl.envs.scoring import TaskResult, run_tasks, summarize
 from primerl.model.adapter import adapter_settings
 from primerl.model.config import LoraConfig
 from primerl.transport.atomic import is_stable, write_json
-from primerl.transport.run_dir import eval_summary_path, log_path, pd_kv_store, scratch_prefix, weights_path
+from primerl.transport.run_dir import eval_summary_path, log_path, scratch_prefix, weights_path
 from primerl.transport.weights import is_adapter, latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -79,32 +79,28 @@ def held_out_env(cfg: RunConfig) -> EnvConfig:
 
 @contextlib.contextmanager
 def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None) -> Iterator[str]:
-    """The URL to evaluate against, served while the context lasts: one server (the first of `inference.replicas`:
-    one is enough to evaluate), or with `inference.pd.enabled` the prefill and decode servers behind primerl's router
-    at `inference.port`, as a training run serves them."""
-    from primerl.inference.pd_router import start_router
+    """The URL to evaluate against, served while the context lasts: one server (one replica is enough to evaluate),
+    or with `inference.pd.enabled` one prefill/decode pair behind primerl's router at `inference.port`, as a training
+    run serves them."""
+    from primerl.inference.pd_router import start_routers
     from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
     from primerl.inference.vllm_args import render_specs
 
-    inf = cfg.inference
-    specs = render_specs(cfg, model_path, device, adapter)
+    inf = dataclasses.replace(cfg.inference, replicas=1)
+    cfg = dataclasses.replace(cfg, inference=inf)
     servers = [
         VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), scratch_prefix(cfg.output_dir, "vllm"))
-        for spec in (specs if inf.pd.enabled else specs[:1])
+        for spec in render_specs(cfg, model_path, device, adapter)
     ]
-    router = None
+    routers = []
     try:
         start_side_by_side(servers, inf.startup_timeout_s)
-        if not inf.pd.enabled:
-            yield servers[0].base_url
-            return
-        prefill, decode = servers
-        kv_store = pd_kv_store(cfg.output_dir)
-        router = start_router(inf.host, inf.port, prefill.base_url, decode.base_url, kv_store, prefill.spec.env)
+        if inf.pd.enabled:
+            routers = start_routers(inf, cfg.output_dir, servers[0].spec.env)
         yield f"http://{inf.host}:{inf.port}"
     finally:
-        if router is not None:
-            router.should_exit = True
+        for router in routers:
+            router.stop()
         stop_side_by_side(servers)
 
 

@@ -1,7 +1,10 @@
 """`python -m primerl.inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
 
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
-else the base model; with LoRA, the base model and the run's start adapter (primerl.model.start). Prints the base URL once ready. `inference.replicas` servers start side by side.
+else the base model; with LoRA, the base model and the run's start adapter (primerl.model.start). Prints the base URL once ready.
+`inference.replicas` servers start side by side; with prefill/decode a pair per replica and a router in front of each
+(primerl.inference.pd_router), or on SLURM one side of the pairs (`inference.pd.role`: the prefill job's servers, or
+the decode job's servers and the routers).
 
 A server that exits while serving (a crash, an OOM kill) is started again (the pool policy of primerl.utils.pool);
 the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
@@ -13,17 +16,20 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.gpus import plan_gpus, visible_gpus
-from primerl.inference.pd_router import start_router
+from primerl.config.gpus import job_server_env, plan_gpus, visible_gpus
+from primerl.config.schema import RunConfig
+from primerl.inference.config import PdRole, pd_pairs
+from primerl.inference.pd_router import follow_prefill, start_routers
 from primerl.inference.server import InferenceStartError, VllmServer, start_side_by_side, stop_side_by_side
-from primerl.inference.vllm_args import check_supported, render_specs, resolve_device
+from primerl.inference.vllm_args import ServerSpec, check_supported, render_specs, resolve_device
 from primerl.model.start import prepare_start_adapter, prepare_start_model
-from primerl.transport.run_dir import log_path, pd_kv_store, scratch_prefix
+from primerl.transport.run_dir import log_path, scratch_prefix
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
@@ -32,10 +38,12 @@ log = get_logger("inference")
 MAX_RESTARTS = 3
 
 
-def keep_serving(servers: list[VllmServer], startup_timeout_s: float) -> None:
-    """Restart each server that exits, until this process is stopped; raises RunError when one cannot come back."""
+def keep_serving(servers: list[VllmServer], startup_timeout_s: float, each_poll: Callable[[], None]) -> None:
+    """Restart each server that exits, until this process is stopped; raises RunError when one cannot come back.
+    `each_poll` runs once per poll."""
     budgets = [RestartBudget(f"the vLLM server at {server.base_url}", MAX_RESTARTS) for server in servers]
     while True:
+        each_poll()
         for server, budget in zip(servers, budgets, strict=True):
             if server.process.poll() is not None:
                 log.warning(
@@ -74,10 +82,7 @@ def main(dict_cfg: DictConfig) -> None:
         )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
     specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
-    if node is None and not cfg.inference.pd.enabled:  # locally, each replica on its own GPU (primerl.config.gpus)
-        gpus = plan_gpus(cfg.launcher, cfg.inference, visible_gpus())
-        for replica, spec in enumerate(specs):
-            spec.env |= gpus.replica_env(replica)
+    place_on_gpus(cfg, specs, on_slurm=node is not None)
     servers = []
     for spec in specs:
         name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
@@ -87,21 +92,47 @@ def main(dict_cfg: DictConfig) -> None:
         start_side_by_side(servers, cfg.inference.startup_timeout_s)
         for server in servers:
             log.info(f"serving {model_path} at {server.base_url}")
-        if cfg.inference.pd.enabled:
-            inf, (prefill, decode) = cfg.inference, servers
-            start_router(
-                inf.host, inf.port, prefill.base_url, decode.base_url, pd_kv_store(cfg.output_dir), prefill.spec.env
-            )
-            log.info(
-                f"prefill at {prefill.base_url}, decode at {decode.base_url}, routed at http://{inf.host}:{inf.port}"
-            )
-        keep_serving(servers, cfg.inference.startup_timeout_s)
+        keep_serving(servers, cfg.inference.startup_timeout_s, serve_pairs(cfg, servers))
     except (InferenceStartError, RunError) as err:
         log.error(str(err))
         sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the driver's death) must not cut the stop
         stop_side_by_side(servers)
+
+
+def serve_pairs(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:
+    """With prefill/decode, a router per pair in front of this process's decode servers (none in a SLURM prefill
+    job); returns what keeps them pointed at their prefill servers (a SLURM decode job follows its prefill job)."""
+    inf = cfg.inference
+    if not inf.pd.enabled or inf.pd.role == PdRole.prefill:
+        return lambda: None
+    routers = start_routers(inf, cfg.output_dir, servers[0].spec.env)
+    for pair, router in zip(pd_pairs(inf), routers, strict=True):
+        log.info(
+            f"pair {pair.index}: prefill at {router.prefill_url}, decode at {router.decode_url}, routed at "
+            f"http://{inf.host}:{pair.router_port}"
+        )
+    if inf.pd.role == PdRole.both:
+        return lambda: None
+
+    def follow() -> None:
+        for url in follow_prefill(routers, cfg.output_dir, inf):
+            log.warning(f"the prefill job moved: prefilling at {url}")
+
+    return follow
+
+
+def place_on_gpus(cfg: RunConfig, specs: list[ServerSpec], on_slurm: bool) -> None:
+    """Each server its GPU(s): locally the launcher's plan (primerl.config.gpus), on SLURM a share of the job's."""
+    visible = visible_gpus()
+    if on_slurm:
+        for index, spec in enumerate(specs):
+            spec.env |= job_server_env(visible, len(specs), index)
+        return
+    gpus = plan_gpus(cfg.launcher, cfg.inference, visible)
+    for index, spec in enumerate(specs):
+        spec.env |= gpus.server_env(index)
 
 
 if __name__ == "__main__":

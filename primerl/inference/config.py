@@ -16,15 +16,40 @@ class KvCacheDtype(Enum):
     fp8 = "fp8"
 
 
+class PdRole(Enum):
+    both = "both"
+    prefill = "prefill"
+    decode = "decode"
+
+
 @dataclass
 class PdConfig:
-    """Prefill/decode disaggregation: two vLLM servers joined by a KV connector, behind a router at
-    `inference.port` (primerl.inference.pd_router). On CPU the connector is ExampleConnector."""
+    """Prefill/decode disaggregation: each of the `inference.replicas` is a pair, a prefill and a decode vLLM server
+    joined by a KV connector, behind a router (primerl.inference.pd_router). Pair i: router at `inference.port` + i,
+    prefill server at `prefill_port` + i, decode server at `decode_port` + i. On CPU the connector is
+    ExampleConnector."""
 
     enabled: bool = False
     kv_connector: str = "NixlConnector"
     prefill_port: int = bounded(8100, ge=1, le=65535)
     decode_port: int = bounded(8200, ge=1, le=65535)
+    # launcher=slurm serves each inference job's pairs as a prefill job and a decode job and sets these for each:
+    # which servers this process starts (both: prefill, decode and routers; decode: decode and routers) ...
+    role: PdRole = PdRole.both
+    # ... where the pairs' prefill servers listen (None: inference.host) ...
+    prefill_host: str | None = None
+    # ... and the run-wide index of this process's first pair (pair i's KV store: primerl.transport.run_dir)
+    first_pair: int = bounded(0, ge=0)
+
+
+@dataclass(frozen=True)
+class PdPair:
+    """One prefill/decode pair's place: `index` run-wide, its router's, prefill and decode server's ports."""
+
+    index: int
+    router_port: int
+    prefill_port: int
+    decode_port: int
 
 
 @dataclass
@@ -95,12 +120,32 @@ def replica_ports(inf: InferenceConfig) -> list[int]:
     return [inf.port + i for i in range(inf.replicas)]
 
 
+def pd_pairs(inf: InferenceConfig) -> list[PdPair]:
+    """The prefill/decode pairs of `inference.replicas`, in replica order (router port 0: picked later)."""
+    pd = inf.pd
+    return [
+        PdPair(pd.first_pair + i, inf.port + i if inf.port else 0, pd.prefill_port + i, pd.decode_port + i)
+        for i in range(inf.replicas)
+    ]
+
+
 def served_ports(inf: InferenceConfig) -> list[int]:
-    """Every port the inference servers listen on: the replicas', or with PD the router's (`port`) and the prefill
-    and decode servers'."""
-    if inf.pd.enabled:
-        return [port for port in (inf.port, inf.pd.prefill_port, inf.pd.decode_port) if port]
-    return replica_ports(inf)
+    """Every port this process's inference servers listen on: the replicas', or with PD its role's servers' and
+    routers' (a router port 0 is picked later)."""
+    if not inf.pd.enabled:
+        return replica_ports(inf)
+    role, ports = inf.pd.role, []
+    for pair in pd_pairs(inf):
+        if role != PdRole.prefill:
+            ports += [port for port in (pair.router_port, pair.decode_port) if port]
+        if role != PdRole.decode:
+            ports.append(pair.prefill_port)
+    return ports
+
+
+def server_count(inf: InferenceConfig) -> int:
+    """The run's vLLM servers: one per replica, or a prefill and a decode server per replica with PD."""
+    return inf.replicas * (2 if inf.pd.enabled else 1)
 
 
 def replica_urls(inf: InferenceConfig) -> list[str]:

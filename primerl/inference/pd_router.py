@@ -2,10 +2,11 @@
 
 The orchestrator, the evaluator and the watcher talk to the router as to any server (`inference.port`); it
 answers with the guard's rules (primerl.inference.guard: routes, key, server id). Per generate request
-(`/inference/v1/generate`, `/v1/chat/completions`, `/v1/completions`, not streamed): the request with a one-token
-budget goes to the prefill server, whose KV connector stores the prompt's KV; then the request as it came goes to
-the decode server, whose connector loads that KV and decodes. The decode server's answer (token ids, logprobs) is
-the router's. Admin calls (`/pause`, `/resume`, `/collective_rpc`, `/is_paused`) go to both servers, so a weight
+(`/inference/v1/generate`, `/v1/chat/completions`, `/v1/completions`): the request with a one-token budget, not
+streamed, goes to the prefill server, whose KV connector stores the prompt's KV; then the request as it came goes to
+the decode server, whose connector loads that KV and decodes. The decode server's answer (token ids, logprobs; a
+stream passed through as it comes) is the router's. With `inference.replicas` > 1 each pair has its own router
+(`start_routers`). Admin calls (`/pause`, `/resume`, `/collective_rpc`, `/is_paused`) go to both servers, so a weight
 update reaches both before the version moves; `/collective_rpc` answers with both servers' results, so a version
 read is the same on every worker of both or an error.
 
@@ -26,12 +27,16 @@ from pathlib import Path
 import httpx
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from primerl.inference.config import InferenceConfig, pd_pairs
 from primerl.inference.guard import API_KEY_ENV, InferenceGuard
+from primerl.transport.address import read_address
 from primerl.transport.identity import SERVER_ID_ENV
+from primerl.transport.run_dir import pd_kv_store
 from primerl.utils.wait import wait_until
 
 GENERATE_PATHS = ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions")
@@ -39,7 +44,8 @@ BOTH_PATHS = ("/pause", "/resume", "/collective_rpc", "/is_paused")
 
 
 def one_token(path: str, body: dict) -> dict:
-    """`body` with a budget of one new token: what the prefill server is asked for."""
+    """`body` with a budget of one new token, answered whole: what the prefill server is asked for."""
+    body = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
     if path == "/inference/v1/generate":
         return {**body, "sampling_params": {**body.get("sampling_params", {}), "max_tokens": 1}}
     return {**body, "max_tokens": 1, "max_completion_tokens": 1}
@@ -59,6 +65,11 @@ class PdRouter:
         self.prefills_done = asyncio.Event()
         self.prefills_done.set()
         self.update_over: asyncio.Event | None = None  # set while a weight update is in progress
+        self.server: uvicorn.Server | None = None  # serving it (start_router)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
 
     def app(self) -> Starlette:
         routes = [Route(path, self.generate, methods=["POST"]) for path in GENERATE_PATHS]
@@ -69,8 +80,6 @@ class PdRouter:
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
-        if body.get("stream"):
-            return JSONResponse({"error": "streamed requests are not routed through prefill/decode"}, 400)
         path = request.url.path
         while self.update_over is not None:
             await self.update_over.wait()
@@ -84,7 +93,13 @@ class PdRouter:
                 self.prefills_done.set()
         if prefill.status_code != 200:
             return answer(prefill)
-        return answer(await self.http.post(self.decode_url + path, json=body))
+        if not body.get("stream"):
+            return answer(await self.http.post(self.decode_url + path, json=body))
+        decode = await self.http.send(self.http.build_request("POST", self.decode_url + path, json=body), stream=True)
+        kind = decode.headers.get("content-type", "text/event-stream")
+        return StreamingResponse(
+            decode.aiter_raw(), decode.status_code, media_type=kind, background=BackgroundTask(decode.aclose)
+        )
 
     async def both(self, request: Request) -> Response:
         path, body = request.url.path, await request.body()
@@ -130,12 +145,46 @@ class PdRouter:
 
 def start_router(
     host: str, port: int, prefill_url: str, decode_url: str, kv_store: Path, server_env: dict[str, str]
-) -> uvicorn.Server:
+) -> PdRouter:
     """Serve a `PdRouter` at host:port from a thread of this process, behind the guard with the servers' key and
     run id (`server_env`: a server spec's environment); returns once it listens."""
     os.environ.update({k: v for k, v in server_env.items() if k in (API_KEY_ENV, SERVER_ID_ENV)})
     router = PdRouter(prefill_url, decode_url, kv_store, server_env.get(API_KEY_ENV))
     server = uvicorn.Server(uvicorn.Config(InferenceGuard(router.app()), host=host, port=port, log_level="warning"))
+    router.server = server
     threading.Thread(target=server.run, name="pd-router", daemon=True).start()
     wait_until(lambda: server.started, f"the prefill/decode router at {host}:{port}", timeout_s=30, poll_s=0.1)
-    return server
+    return router
+
+
+def start_routers(inf: InferenceConfig, run_dir: str | Path, server_env: dict[str, str]) -> list[PdRouter]:
+    """A router per pair of `inference.replicas` (`inference.port` + i), in front of this process's decode server and
+    its prefill server (at `inference.pd.prefill_host` when set: another job's). Router ports must be chosen (not 0)."""
+    prefill_host = inf.pd.prefill_host or inf.host
+    return [
+        start_router(
+            inf.host,
+            pair.router_port,
+            f"http://{prefill_host}:{pair.prefill_port}",
+            f"http://{inf.host}:{pair.decode_port}",
+            pd_kv_store(run_dir, pair.index),
+            server_env,
+        )
+        for pair in pd_pairs(inf)
+    ]
+
+
+def follow_prefill(routers: list[PdRouter], run_dir: str | Path, inf: InferenceConfig) -> list[str]:
+    """SLURM decode job: point its routers at the prefill servers where the prefill job advertises them now (a
+    requeued prefill job serves from another node and port). Job j's pairs start at j x replicas (primerl.launch.slurm),
+    which names its prefill job's address. Returns the routers' prefill URLs that changed."""
+    found = read_address(run_dir, inf.pd.first_pair // inf.replicas, "prefill")
+    if found is None:
+        return []
+    moved = []
+    for router, offset in zip(routers, range(inf.replicas), strict=True):
+        url = f"http://{found['host']}:{found['port'] + offset}"
+        if router.prefill_url != url:  # read by the router's thread per request: one assignment
+            router.prefill_url = url
+            moved.append(url)
+    return moved

@@ -11,7 +11,15 @@ from pathlib import Path
 import torch
 
 from primerl.config.schema import RunConfig
-from primerl.inference.config import InferenceConfig, KvCacheDtype, Quantization, replica_ports
+from primerl.inference.config import (
+    InferenceConfig,
+    KvCacheDtype,
+    PdPair,
+    PdRole,
+    Quantization,
+    pd_pairs,
+    replica_ports,
+)
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, server_identity
@@ -95,8 +103,8 @@ def lora_args(adapter: str | Path, rank: int) -> list[str]:
 
 
 def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None = None) -> list[ServerSpec]:
-    """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or a
-    prefill and a decode server (PD). `adapter`: a LoRA adapter directory served as the policy over `model_path`
+    """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or with PD
+    a prefill and a decode server per replica (prefill first; only one of them with `inference.pd.role`). `adapter`: a LoRA adapter directory served as the policy over `model_path`
     (primerl.transport.weights)."""
     inf = cfg.inference
     args = [
@@ -164,18 +172,25 @@ def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
                 spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
         return specs
     specs = []
-    for role, port in (("kv_producer", inf.pd.prefill_port), ("kv_consumer", inf.pd.decode_port)):
-        transfer = {"kv_connector": inf.pd.kv_connector, "kv_role": role}
-        if inf.pd.kv_connector == CPU_KV_CONNECTOR:
-            transfer["kv_connector_extra_config"] = {"shared_storage_path": str(pd_kv_store(cfg.output_dir).resolve())}
-        transfer_arg = json.dumps(transfer, separators=(",", ":"))
-        specs.append(
-            ServerSpec(args + ["--port", str(port), "--kv-transfer-config", transfer_arg], dict(env), inf.host, port)
-        )
+    for pair in pd_pairs(inf):
+        for kv_role, port in pd_servers(inf.pd.role, pair):
+            transfer = {"kv_connector": inf.pd.kv_connector, "kv_role": kv_role}
+            if inf.pd.kv_connector == CPU_KV_CONNECTOR:
+                store = pd_kv_store(cfg.output_dir, pair.index).resolve()
+                transfer["kv_connector_extra_config"] = {"shared_storage_path": str(store)}
+            transfer_arg = json.dumps(transfer, separators=(",", ":"))
+            rendered = args + ["--port", str(port), "--kv-transfer-config", transfer_arg]
+            specs.append(ServerSpec(rendered, dict(env), inf.host, port))
     if device == "cpu":
         for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
             spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     return specs
+
+
+def pd_servers(role: PdRole, pair: PdPair) -> list[tuple[str, int]]:
+    """The servers of `pair` a process in `role` starts, as (vLLM kv_role, port): prefill first."""
+    servers = [("kv_producer", pair.prefill_port), ("kv_consumer", pair.decode_port)]
+    return {PdRole.both: servers, PdRole.prefill: servers[:1], PdRole.decode: servers[1:]}[role]
 
 
 def replica_cores(replicas: int) -> list[str]:

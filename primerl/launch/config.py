@@ -5,9 +5,9 @@ from typing import Any
 
 from primerl.utils.bounds import bounded
 
-# The roles of a run's SLURM jobs (primerl/launch/slurm.py names inference jobs after the first `inference-<j>`); the
-# keys `launcher.sbatch` accepts.
-JOB_ROLES = ("trainer", "inference", "orchestrator", "sft")
+# The roles of a run's SLURM jobs (primerl/launch/slurm.py names inference jobs after the first `inference-<j>`; with
+# prefill/decode each inference job is a `prefill` and a `decode` job); the keys `launcher.sbatch` accepts.
+JOB_ROLES = ("trainer", "inference", "prefill", "decode", "orchestrator", "sft")
 
 
 def job_role(job_name: str) -> str:
@@ -28,7 +28,8 @@ class LauncherConfig:
     account: str | None = None
     qos: str | None = None
     time_limit_min: int = bounded(60, ge=1)
-    # GPUs (SLURM: per trainer node and per inference job; local: of this machine, 0: one per rank and per replica)
+    # GPUs (SLURM: per trainer node and per inference job, with PD per prefill and per decode job; local: of this
+    # machine, 0: one per rank and per inference server)
     trainer_gpus: int = bounded(0, ge=0)
     inference_gpus: int = bounded(0, ge=0)
     # local: which GPUs, by CUDA id (instead of counts); inference and trainer must not share one ...
@@ -42,9 +43,10 @@ class LauncherConfig:
     cpus_per_task: int = bounded(2, ge=1)
     signal_delay_s: int = bounded(90, ge=0)  # SLURM signals a job this long before its time limit: it requeues itself
     max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
-    # more sbatch options per job role (trainer, inference, orchestrator, sft), as `--key=value` (`true`: a bare flag):
-    # placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`, `...trainer.exclusive=true`,
-    # `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run gets the same options.
+    # more sbatch options per job role (trainer, inference, prefill, decode, orchestrator, sft), as `--key=value`
+    # (`true`: a bare flag): placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`,
+    # `...trainer.exclusive=true`, `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run (every
+    # prefill job, every decode job) gets the same options.
     sbatch: dict[str, dict[str, Any]] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)  # shell lines run first in every job (module load, ...)
     poll_s: float = bounded(5.0, gt=0)  # how often the driver asks SLURM for job states

@@ -10,6 +10,11 @@ Invariants:
   `inference.replicas=N`: `launcher.inference_jobs=J` jobs (on any nodes) serve N/J each, on consecutive ports from
   the port each advertises; job j > 0 advertises in its own file (`inference_address_path(run, j)`), and the
   orchestrator waits for all of them.
+- With `inference.pd.enabled`, inference job j is two jobs, placed each by its own `launcher.sbatch` role: `prefill`
+  (`prefill-<j>`) serves its pairs' prefill servers on free ports of its node and advertises them
+  (`inference_address_path(run, j, "prefill")`); `decode` (`decode-<j>`) waits for that address, serves the decode
+  servers and a router per pair, and advertises the routers as inference job j. Pair i of job j is run-wide pair
+  j*k + i (its KV store). Each side takes `launcher.inference_gpus`.
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
   no torchrun inside a job.
 - A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
@@ -62,7 +67,7 @@ _running: subprocess.Popen | None = None  # the process of this job, for `checkp
 class ModuleJob(submitit.helpers.Checkpointable):
     """One process of the run as the body of a SLURM job (every task of the job runs it)."""
 
-    name: str  # a JOB_ROLES role, inference-<j> for inference jobs j > 0
+    name: str  # a JOB_ROLES role, <role>-<j> for inference (prefill, decode) jobs j > 0
     module: str
     overrides: list[str]
     run_dir: str
@@ -71,6 +76,8 @@ class ModuleJob(submitit.helpers.Checkpointable):
     inference_replicas: int = 1  # served by this one job, on consecutive ports from its address's port
     inference_index: int = 0  # inference: which of launcher.inference_jobs this job is
     inference_job_ids: list[str] = field(default_factory=list)  # orchestrator: whose addresses to wait for
+    pd_role: str = ""  # with prefill/decode: "prefill" or "decode", the side of its pairs this inference job serves
+    prefill_job_id: str = ""  # decode: the prefill job of its pairs, whose address it waits for
     wait_s: float = 600.0
 
     def __call__(self) -> None:
@@ -95,17 +102,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
 
     def _address_overrides(self) -> list[str]:
         if self.module == "primerl.inference":
-            port = self.inference_port or free_port(count=self.inference_replicas)
-            host = self.inference_host
-            if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
-                host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
-            write_address(self.run_dir, self.inference_index, host, port, _job_id())
-            # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
-            return [
-                f"inference.port={port}",
-                f"inference.replicas={self.inference_replicas}",
-                "launcher.inference_jobs=1",
-            ]
+            return self._serving_overrides()
         if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
             found = [
                 _wait_for_address(self.run_dir, index, job_id, self.wait_s)
@@ -113,6 +110,33 @@ class ModuleJob(submitit.helpers.Checkpointable):
             ]
             return [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
         return []
+
+    def _serving_overrides(self) -> list[str]:
+        """An inference job's ports on its node and the address it advertises; with prefill/decode, its side."""
+        replicas, host = self.inference_replicas, self.inference_host
+        if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
+            host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
+        # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
+        share = [f"inference.replicas={replicas}", "launcher.inference_jobs=1"]
+        if not self.pd_role:
+            port = self.inference_port or free_port(count=replicas)
+            write_address(self.run_dir, self.inference_index, host, port, _job_id())
+            return [f"inference.port={port}", *share]
+        first = free_port(count=2 * replicas)  # this side's servers, then (decode) its routers
+        share += [f"inference.pd.role={self.pd_role}", f"inference.pd.first_pair={self.inference_index * replicas}"]
+        if self.pd_role == "prefill":
+            write_address(self.run_dir, self.inference_index, host, first, _job_id(), role="prefill")
+            return [*share, f"inference.pd.prefill_port={first}"]
+        prefill = _wait_for_address(self.run_dir, self.inference_index, self.prefill_job_id, self.wait_s, "prefill")
+        port = self.inference_port or first + replicas
+        write_address(self.run_dir, self.inference_index, host, port, _job_id())
+        return [
+            *share,
+            f"inference.port={port}",
+            f"inference.pd.decode_port={first}",
+            f"inference.pd.prefill_host={prefill['host']}",
+            f"inference.pd.prefill_port={prefill['port']}",
+        ]
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """Time limit near, or preempted: stop the process (it checkpoints every step) and requeue this job."""
@@ -129,16 +153,16 @@ def _job_id() -> str:
     return os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID", ""))
 
 
-def _wait_for_address(run_dir: Path, index: int, job_id: str | None, wait_s: float) -> dict:
+def _wait_for_address(run_dir: Path, index: int, job_id: str | None, wait_s: float, role: str = "inference") -> dict:
     def found() -> dict | None:
-        address = read_address(run_dir, index)
+        address = read_address(run_dir, index, role)
         return address if address is not None and job_id in (None, address["job_id"]) else None
 
-    what = f"the address of inference job {job_id} in {inference_address_path(run_dir, index)}"
+    what = f"the address of {role} job {job_id} in {inference_address_path(run_dir, index, role)}"
     try:
         return wait_until(found, what, wait_s, poll_s=1.0, note_every_s=60)
     except WaitTimeout as err:
-        raise RuntimeError(f"no address from inference job {job_id}: {err}") from None
+        raise RuntimeError(f"no address from {role} job {job_id}: {err}") from None
 
 
 @dataclass
@@ -189,34 +213,46 @@ class SlurmLauncher:
         wait_until(ended, "the SFT job", poll_s=self.poll_s)
 
     @property
-    def inference_names(self) -> list[str]:
-        """The inference jobs: `inference`, then `inference-1` ... (launcher.inference_jobs)."""
-        return ["inference" if j == 0 else f"inference-{j}" for j in range(self.cfg.launcher.inference_jobs)]
+    def serving_names(self) -> list[str]:
+        """The inference jobs: `inference`, `inference-1` ... (launcher.inference_jobs), or with prefill/decode
+        `prefill`, `decode`, `prefill-1`, `decode-1` ..."""
+        roles = ("prefill", "decode") if self.cfg.inference.pd.enabled else ("inference",)
+        return [role if j == 0 else f"{role}-{j}" for j in range(self.cfg.launcher.inference_jobs) for role in roles]
 
     def start(self, overrides: list[str]) -> None:
-        inf, jobs = self.cfg.inference, self.cfg.launcher.inference_jobs
-        ids = []
-        for index, name in enumerate(self.inference_names):
-            inference_address_path(self.run_dir, index).unlink(missing_ok=True)  # an earlier attempt's server is gone
-            job = self._submit(
-                name,
-                "primerl.inference",
-                overrides,
-                gpus=self.cfg.launcher.inference_gpus,
-                inference_host=inf.host,
-                inference_port=inf.port,
-                inference_replicas=inf.replicas // jobs,
-                inference_index=index,
-            )
-            ids.append(job.job_id)
-        self._submit(
-            "orchestrator",
-            "primerl.orchestrator",
-            overrides,
-            inference_job_ids=ids,
-            wait_s=inf.startup_timeout_s + 3600,
-        )  # the inference job may queue first
+        inf, lc = self.cfg.inference, self.cfg.launcher
+        wait_s = inf.startup_timeout_s + 3600  # what it waits for may queue first
+        ids = [self._start_serving(overrides, index, wait_s).job_id for index in range(lc.inference_jobs)]
+        self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_ids=ids, wait_s=wait_s)
         self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())
+
+    def _start_serving(self, overrides: list[str], index: int, wait_s: float) -> submitit.Job:
+        """Inference job `index`, or with prefill/decode its prefill job and then its decode job (returned)."""
+        inf, lc = self.cfg.inference, self.cfg.launcher
+        for role in ("inference", "prefill"):  # an earlier attempt's servers are gone
+            inference_address_path(self.run_dir, index, role).unlink(missing_ok=True)
+        serving = {
+            "inference_host": inf.host,
+            "inference_port": inf.port,
+            "inference_replicas": inf.replicas // lc.inference_jobs,
+            "inference_index": index,
+        }
+        suffix = f"-{index}" if index else ""
+        if not inf.pd.enabled:
+            return self._submit(f"inference{suffix}", "primerl.inference", overrides, gpus=lc.inference_gpus, **serving)
+        prefill = self._submit(
+            f"prefill{suffix}", "primerl.inference", overrides, gpus=lc.inference_gpus, pd_role="prefill", **serving
+        )
+        return self._submit(
+            f"decode{suffix}",
+            "primerl.inference",
+            overrides,
+            gpus=lc.inference_gpus,
+            pd_role="decode",
+            prefill_job_id=prefill.job_id,
+            wait_s=wait_s,
+            **serving,
+        )
 
     def _ended_well(self, name: str) -> bool:
         """True when the job COMPLETED; raise ChildFailed when it ended any other way."""
@@ -237,7 +273,7 @@ class SlurmLauncher:
     def finished(self) -> bool:
         self._refresh()
         done = all([self._ended_well(name) for name in ("trainer", "orchestrator")])  # a list: check both
-        for name in self.inference_names:
+        for name in self.serving_names:
             if not done and self._ended_well(name):
                 raise ChildFailed(f"{name} (SLURM job {self.jobs[name].job_id}) ended before the run did")
         return done

@@ -1,6 +1,8 @@
 """SLURM: where each inference job serves. Job j writes `inference_address_path(run, j)` once it knows its node and
 first port ({"host", "port", "job_id"}, atomically; rewritten when a requeued job starts elsewhere); the orchestrator
-job reads them: to start (the launcher waits for its jobs' addresses) and to follow a moved replica (the watcher)."""
+job reads them: to start (the launcher waits for its jobs' addresses) and to follow a moved replica (the watcher).
+With prefill/decode, job j is a prefill job and a decode job: the decode job (its routers) writes the inference
+address, the prefill job its servers' in `inference_address_path(run, j, "prefill")`, which the decode job reads."""
 
 import dataclasses
 import json
@@ -11,15 +13,15 @@ from primerl.transport.atomic import atomic_file
 from primerl.transport.run_dir import inference_address_path
 
 
-def write_address(run_dir: str | Path, job: int, host: str, port: int, job_id: str) -> None:
-    with atomic_file(inference_address_path(run_dir, job)) as tmp:
+def write_address(run_dir: str | Path, job: int, host: str, port: int, job_id: str, role: str = "inference") -> None:
+    with atomic_file(inference_address_path(run_dir, job, role)) as tmp:
         tmp.write_text(json.dumps({"host": host, "port": port, "job_id": job_id}))
 
 
-def read_address(run_dir: str | Path, job: int) -> dict | None:
+def read_address(run_dir: str | Path, job: int, role: str = "inference") -> dict | None:
     """Job `job`'s address ({"host": str, "port": int, "job_id": str}), or None while it cannot be read."""
     try:
-        found = json.loads(inference_address_path(run_dir, job).read_text())
+        found = json.loads(inference_address_path(run_dir, job, role).read_text())
         return {"host": str(found["host"]), "port": int(found["port"]), "job_id": str(found.get("job_id", ""))}
     except (OSError, ValueError, KeyError, TypeError):
         return None

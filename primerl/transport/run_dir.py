@@ -7,10 +7,11 @@
   rollouts/step_<n>.safetensors  the batch the trainer trains at step n (transport.batches)
   rollouts/samples.jsonl         a few sample rollouts per step, for people
   weights/step_<v>/              policy v for the inference server, complete iff STABLE (transport.weights)
-  pd_kv/                         prefill/decode on CPU: the prompts' KV from prefill to decode (inference.pd_router)
+  pd_kv/<pair>/                  prefill/decode on CPU: each pair's prompt KV from prefill to decode (inference.pd_router)
   checkpoints/step_<n>/          trainer state after n steps (primerl.trainer.checkpoint)
   sft/sft_metrics.json           the SFT warm-start's results, when this run did it
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
+  prefill_address.json           SLURM with prefill/decode: where the prefill job serves (j > 0: ...<j>.json)
   run_settings.json              the settings a resume must keep (primerl.launch.resume)
   format.json                    the directory's format version (primerl.transport.formats)
   ledger.json                    the MLflow run that records this directory
@@ -81,9 +82,10 @@ def sft_metrics_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / "sft_metrics.json"
 
 
-def inference_address_path(run_dir: str | Path, job: int = 0) -> Path:
-    """SLURM: where inference job `job` (of launcher.inference_jobs) advertises its node and first port."""
-    return Path(run_dir) / ("inference_address.json" if job == 0 else f"inference_address.{job}.json")
+def inference_address_path(run_dir: str | Path, job: int = 0, role: str = "inference") -> Path:
+    """SLURM: where inference job `job` (of launcher.inference_jobs) advertises its node and first port; with
+    prefill/decode, role "prefill": where its prefill job advertises its servers' (for the decode job's routers)."""
+    return Path(run_dir) / (f"{role}_address.json" if job == 0 else f"{role}_address.{job}.json")
 
 
 def ledger_record_path(run_dir: str | Path) -> Path:
@@ -122,9 +124,10 @@ def eval_summary_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / "eval.json"
 
 
-def pd_kv_store(run_dir: str | Path) -> Path:
-    """Where a CPU prefill server's KV connector stores prompts' KV for the decode server (primerl.inference.pd_router)."""
-    return Path(run_dir) / "pd_kv"
+def pd_kv_store(run_dir: str | Path, pair: int) -> Path:
+    """Where the CPU prefill server of prefill/decode pair `pair` stores prompts' KV for its decode server
+    (primerl.inference.pd_router)."""
+    return Path(run_dir) / "pd_kv" / str(pair)
 
 
 def scratch_prefix(run_dir: str | Path, owner: str) -> str:
