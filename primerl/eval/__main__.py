@@ -106,7 +106,7 @@ def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None)
 
 def evaluate(cfg: RunConfig, model_path: str) -> dict:
     """Serve `model_path`, run the env's tasks, return the summary (also what `eval.json` holds)."""
-    from primerl.envs.verifiers_env import env_runner, load_env
+    from primerl.envs.verifiers_env import load_env
     from primerl.inference.vllm_args import check_supported, resolve_device
 
     e = cfg.eval
@@ -125,35 +125,36 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=rank)))
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     with served_at(cfg, model_path, device, adapter) as base_url:
-        runner = env_runner(
-            env,
-            model_path,
-            inf,
-            e.temperature,
-            e.max_tokens or cfg.orchestrator.max_tokens,
-            cfg.orchestrator.sampling_args,
-            base_url,
-        )
-
-        async def main() -> list[TaskResult]:
-            with tqdm(total=len(tasks) * e.samples_per_task, desc="eval", dynamic_ncols=True) as bar:
-                async with env.serving():
-                    return await run_tasks(
-                        runner,
-                        tasks,
-                        e.samples_per_task,
-                        e.max_inflight,
-                        cfg.orchestrator.rollout_timeout_s,
-                        bar.update,
-                    )
-
         started = time.perf_counter()
-        results = asyncio.run(main())
+        results = run_served(cfg, env, tasks, model_path, base_url)
         wall_s = time.perf_counter() - started
-    scores = summarize(results, e.k, e.success_threshold)
+    return summary(cfg, adapter or model_path, results, wall_s)
+
+
+def run_served(cfg: RunConfig, env, tasks: list, model_path: str, base_url: str) -> list[TaskResult]:
+    """`eval.samples_per_task` rollouts of each task against the server at `base_url`, with a progress bar."""
+    from primerl.envs.verifiers_env import env_runner
+
+    e = cfg.eval
+    max_tokens = e.max_tokens or cfg.orchestrator.max_tokens
+    sampling = cfg.orchestrator.sampling_args
+    runner = env_runner(env, model_path, cfg.inference, e.temperature, max_tokens, sampling, base_url)
+
+    async def main() -> list[TaskResult]:
+        with tqdm(total=len(tasks) * e.samples_per_task, desc="eval", dynamic_ncols=True) as bar:
+            async with env.serving():
+                timeout_s = cfg.orchestrator.rollout_timeout_s
+                return await run_tasks(runner, tasks, e.samples_per_task, e.max_inflight, timeout_s, bar.update)
+
+    return asyncio.run(main())
+
+
+def summary(cfg: RunConfig, model: str, results: list[TaskResult], wall_s: float) -> dict:
+    """What `eval.json` holds: the settings that shaped the scores, the scores, and why rollouts failed."""
+    e = cfg.eval
     reasons = collections.Counter(reason for r in results for reason in r.failures)
     return {
-        "model": adapter or model_path,
+        "model": model,
         "env": cfg.env.id,
         "env_args": dict(cfg.env.args),
         "samples_per_task": e.samples_per_task,
@@ -161,7 +162,7 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
         "temperature": e.temperature,
         "success_threshold": e.success_threshold,
         "wall_s": wall_s,
-        **scores,
+        **summarize(results, e.k, e.success_threshold),
         "failure_reasons": dict(reasons.most_common()),
     }
 

@@ -21,9 +21,11 @@ LOOPBACK_GLOO = {"GLOO_SOCKET_IFNAME": "lo"}  # ranks on one machine: gloo's pai
 
 
 def trainer_threads(cfg: RunConfig) -> int | None:
-    """The trainer's CPU threads: launcher.trainer_threads, else, on CPU, every core but the one vLLM pins."""
+    """The trainer's CPU threads: launcher.trainer_threads, else, on CPU, every core this process may run on but the
+    one vLLM pins. Never more threads than cores: torch waits for its slowest thread at every op, and a thread that
+    shares its core slows the trainer several times over (benchmarks/results.md, "The peer, explained")."""
     cpu = cfg.inference.device == "cpu" or (cfg.inference.device == "auto" and not _has_cuda())
-    return cfg.launcher.trainer_threads or (max(1, (os.cpu_count() or 2) - 1) if cpu else None)
+    return cfg.launcher.trainer_threads or (max(1, len(os.sched_getaffinity(0)) - 1) if cpu else None)
 
 
 @dataclass
