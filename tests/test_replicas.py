@@ -362,10 +362,12 @@ def test_replica_config_ports_and_errors():
     assert binds == replica_cores(3)
     if len(os.sched_getaffinity(0)) >= 2:
         assert binds[0] != binds[1]
-    cfg.inference.pd.enabled = True
+    cfg.inference.pd.enabled = True  # three prefill/decode pairs: routers 8100-8102 would take the prefill ports
     with pytest.raises(ConfigError) as err:
         validate(cfg)
-    assert err.value.key == "inference.replicas"
+    assert err.value.key == "inference.pd.prefill_port" and "share ports" in err.value.message
+    cfg.inference.port = 8000
+    validate(cfg)  # routers 8000-8002, prefill 8100-8102, decode 8200-8202
     first = free_port(count=4)
     for port in range(first, first + 4):  # all four are free
         with socket.socket() as s:
