@@ -190,7 +190,10 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
     assert (
         all(1 <= r["inference/replicas_up"] <= REPLICAS for r in rows) and rows[-1]["inference/replicas_up"] == REPLICAS
     )
-    assert sum(r["rollouts/failed"] for r in rows) > 0 and all(r["rollouts/ok"] > 0 for r in rows)
+    # every trained sample came from a good rollout: at least a batch of them per step. Per row, `rollouts/ok` counts
+    # what finished since the previous cut, which can be none when a cut follows the last at once from leftovers
+    # while a lost worker's rollouts all fail together
+    assert sum(r["rollouts/failed"] for r in rows) > 0 and sum(r["rollouts/ok"] for r in rows) >= steps * 32
     for reason in (
         "failed on purpose",
         "non-finite reward nan",
