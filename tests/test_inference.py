@@ -2,10 +2,12 @@
 per-update cache salt, the key on every route, refusals."""
 
 import asyncio
+import getpass
 import json
 import math
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -234,6 +236,17 @@ def test_an_idle_server_gives_its_cores_back(server):
     time.sleep(0.8)
     used = (_session_cpu_s(server.process.pid) - before) / (time.monotonic() - started)
     assert used < 0.5, f"the idle server used {used:.2f} cores"
+
+
+def test_a_servers_scratch_holds_no_compiled_code(server):
+    """torch keeps its precompiled headers (~150 MB on CPU) under the temp dir, which is the server's private scratch
+    dir; there they were lost to every restart and left behind by every killed server. The scratch dir links the
+    shared compile cache instead, so what stays in it is sockets and small files."""
+    link = server.tmp_dir / f"torchinductor_{getpass.getuser()}"
+    assert link.is_symlink() and link.resolve() == (Path(tempfile.gettempdir()) / link.name).resolve()
+    generate(server, [1, 2, 3], max_tokens=4)
+    own = sum(p.lstat().st_size for p in server.tmp_dir.rglob("*") if not p.is_symlink())
+    assert own < 1_000_000, f"{own} bytes in {server.tmp_dir}"
 
 
 def test_fp8_and_pd_render_on_gpu_and_their_gpu_parts_refuse_on_cpu():

@@ -67,9 +67,12 @@ class VllmServer:
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
         # vLLM leaves its ZMQ sockets and dist-init files in the temp dir; a private one goes with the server.
-        # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it.
+        # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it: its
+        # precompiled headers (~150 MB on CPU) always go under the temp dir, so the private one links there.
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=self.scratch_prefix))
         inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        inductor_cache.mkdir(exist_ok=True)
+        (self.tmp_dir / inductor_cache.name).symlink_to(inductor_cache, target_is_directory=True)
         env = {
             "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache),
             **os.environ,
