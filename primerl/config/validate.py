@@ -141,19 +141,14 @@ def _data(cfg: RunConfig) -> None:
 def _distinct_pd_ports(inf) -> None:
     """The routers (`inference.port` + i; 0: free ones) and the prefill and decode servers (`...prefill_port` + i,
     `...decode_port` + i) of the replicas' pairs each need ports of their own, below 65536."""
-    served = {
-        PdRole.both: ("port", "prefill", "decode"),
-        PdRole.prefill: ("prefill",),
-        PdRole.decode: ("port", "decode"),
-    }
     named = [
         (key, port)
         for side, key, port in (
-            ("port", "inference.port", inf.port),
+            ("router", "inference.port", inf.port),
             ("prefill", "inference.pd.prefill_port", inf.pd.prefill_port),
             ("decode", "inference.pd.decode_port", inf.pd.decode_port),
         )
-        if port and side in served[inf.pd.role]  # on SLURM a prefill and a decode job are on their own nodes
+        if port and side in inf.pd.role.sides  # on SLURM a prefill and a decode job are on their own nodes
     ]
     for i, (key, port) in enumerate(named):
         if port + inf.replicas - 1 > 65535:

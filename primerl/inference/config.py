@@ -21,6 +21,14 @@ class PdRole(Enum):
     prefill = "prefill"
     decode = "decode"
 
+    @property
+    def sides(self) -> tuple[str, ...]:
+        """The parts of each pair a process in this role serves: on SLURM the prefill job its prefill servers, the
+        decode job its decode servers and the routers in front of them."""
+        return {"both": ("router", "prefill", "decode"), "prefill": ("prefill",), "decode": ("router", "decode")}[
+            self.value
+        ]
+
 
 @dataclass
 class PdConfig:
@@ -50,6 +58,11 @@ class PdPair:
     router_port: int
     prefill_port: int
     decode_port: int
+
+    def ports(self, role: PdRole) -> dict[str, int]:
+        """The ports of the sides `role` serves, by side (a router port 0 is picked later)."""
+        ports = {"router": self.router_port, "decode": self.decode_port, "prefill": self.prefill_port}
+        return {side: port for side, port in ports.items() if side in role.sides}
 
 
 @dataclass
@@ -134,13 +147,7 @@ def served_ports(inf: InferenceConfig) -> list[int]:
     routers' (a router port 0 is picked later)."""
     if not inf.pd.enabled:
         return replica_ports(inf)
-    role, ports = inf.pd.role, []
-    for pair in pd_pairs(inf):
-        if role != PdRole.prefill:
-            ports += [port for port in (pair.router_port, pair.decode_port) if port]
-        if role != PdRole.decode:
-            ports.append(pair.prefill_port)
-    return ports
+    return [port for pair in pd_pairs(inf) for port in pair.ports(inf.pd.role).values() if port]
 
 
 def server_count(inf: InferenceConfig) -> int:

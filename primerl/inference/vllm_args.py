@@ -104,8 +104,23 @@ def lora_args(adapter: str | Path, rank: int) -> list[str]:
 
 def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None = None) -> list[ServerSpec]:
     """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or with PD
-    a prefill and a decode server per replica (prefill first; only one of them with `inference.pd.role`). `adapter`: a LoRA adapter directory served as the policy over `model_path`
-    (primerl.transport.weights)."""
+    a prefill and a decode server per replica (prefill first; only one side with `inference.pd.role`). `adapter`: a
+    LoRA adapter directory served as the policy over `model_path` (primerl.transport.weights). Several servers on CPU
+    each bind their OpenMP threads to cores of their own."""
+    inf = cfg.inference
+    args, env = _server_args(cfg, model_path, device, adapter), _server_env(cfg, device, adapter)
+    if inf.pd.enabled:
+        specs = _pd_specs(cfg, args, env)
+    else:
+        specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
+    if device == "cpu" and len(specs) > 1:
+        for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
+            spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return specs
+
+
+def _server_args(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None) -> list[str]:
+    """The arguments every server of the run shares (a port and a KV transfer config are added per server)."""
     inf = cfg.inference
     args = [
         "--model",
@@ -151,6 +166,11 @@ def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
     if adapter is not None:
         args += lora_args(adapter, cfg.model.lora.rank)
     args += list(inf.extra_args)
+    return args
+
+
+def _server_env(cfg: RunConfig, device: str, adapter: str | Path | None) -> dict[str, str]:
+    inf = cfg.inference
     env = {
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -165,13 +185,12 @@ def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
         env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
         if inf.cpu_idle_spin_s is not None:
             env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
-    if not inf.pd.enabled:
-        specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
-        if device == "cpu" and inf.replicas > 1:
-            for spec, cores in zip(specs, replica_cores(inf.replicas), strict=True):
-                spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
-        return specs
-    specs = []
+    return env
+
+
+def _pd_specs(cfg: RunConfig, args: list[str], env: dict[str, str]) -> list[ServerSpec]:
+    """The prefill and decode servers of this process's pairs, each with its side of the pair's KV connector."""
+    inf, specs = cfg.inference, []
     for pair in pd_pairs(inf):
         for kv_role, port in pd_servers(inf.pd.role, pair):
             transfer = {"kv_connector": inf.pd.kv_connector, "kv_role": kv_role}
@@ -181,16 +200,17 @@ def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
             transfer_arg = json.dumps(transfer, separators=(",", ":"))
             rendered = args + ["--port", str(port), "--kv-transfer-config", transfer_arg]
             specs.append(ServerSpec(rendered, dict(env), inf.host, port))
-    if device == "cpu":
-        for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
-            spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     return specs
 
 
 def pd_servers(role: PdRole, pair: PdPair) -> list[tuple[str, int]]:
     """The servers of `pair` a process in `role` starts, as (vLLM kv_role, port): prefill first."""
-    servers = [("kv_producer", pair.prefill_port), ("kv_consumer", pair.decode_port)]
-    return {PdRole.both: servers, PdRole.prefill: servers[:1], PdRole.decode: servers[1:]}[role]
+    ports = pair.ports(role)
+    return [
+        (kv_role, ports[side])
+        for side, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))
+        if side in ports
+    ]
 
 
 def replica_cores(replicas: int) -> list[str]:
