@@ -382,7 +382,7 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     from primerl.config.cli import check
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
-    from primerl.launch.slurm import ModuleJob
+    from primerl.launch.slurm_job import ModuleJob
     from primerl.transport.address import advertised_urls
     from primerl.utils.errors import ConfigError
 
@@ -442,7 +442,7 @@ def test_prefill_and_decode_jobs_meet_through_their_addresses_and_the_routers_fo
     2 and 3 (their KV stores); when the prefill job is requeued elsewhere the decode job's routers follow it."""
     from primerl.config.cli import check
     from primerl.inference.pd_router import PdRouter, follow_prefill
-    from primerl.launch.slurm import ModuleJob
+    from primerl.launch.slurm_job import ModuleJob
     from primerl.transport.address import advertised_urls, write_address
 
     run = ["+experiment=reverse_text", "launcher=slurm", "inference.pd.enabled=true", "inference.replicas=4"]
