@@ -132,6 +132,10 @@ class VllmServer:
         """SIGTERM the server's process group (vLLM has engine children), SIGKILL after `grace_s`."""
         if self.process is not None:
             stop_process_groups([self.process], grace_s)
+        self.remove_scratch()
+
+    def remove_scratch(self) -> None:
+        """Remove the server's private temp dir (its processes must be gone)."""
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
@@ -156,4 +160,4 @@ def stop_side_by_side(servers: list[VllmServer], grace_s: float = NESTED_GRACE_S
     server that hangs on SIGTERM adds a grace of its own, and the sum outlasts the parent's: NESTED_GRACE_S.)"""
     stop_process_groups([s.process for s in servers if s.process is not None], grace_s)
     for server in servers:
-        server.stop(grace_s)  # its temp dir; its processes are gone
+        server.remove_scratch()

@@ -233,13 +233,25 @@ async def run_orchestrator(cfg: RunConfig) -> None:
             meter=meter,
             sampling_seed=sampling_seed,
         )
-        watcher.on_change = orchestrator.notify
-        # What start-up built (envs, tokenizer, clients, verifiers' models) lives as long as the run: frozen out of
-        # the collector, a full collection no longer walks it on the event loop (against stand-in servers the
-        # loop's worst lag fell from ~1 s to ~55 ms; benchmarks/capacity.py)
-        gc.freeze()
-        await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
-        helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]
-        helpers += [pool.supervisor for pool in pools]  # a pool whose workers cannot start ends the run
-        final_eval = (lambda: online_eval.finish(policy)) if online_eval else None
-        await run_until_done(asyncio.create_task(orchestrator.run(), name="orchestrator"), helpers, final_eval)
+        await _run_with_helpers(orchestrator, watcher, idle, pools, online_eval)
+
+
+async def _run_with_helpers(
+    orchestrator: Orchestrator,
+    watcher: "Watcher",
+    idle: IdleSampler,
+    pools: "list[EnvWorkers]",
+    online_eval: "OnlineEval | None",
+) -> None:
+    """Run the orchestrator beside the server watcher, the idle gauge and the env worker pools' supervisors, until it
+    is done or one of them fails; then the final online eval."""
+    watcher.on_change = orchestrator.notify
+    # What start-up built (envs, tokenizer, clients, verifiers' models) lives as long as the run: frozen out of
+    # the collector, a full collection no longer walks it on the event loop (against stand-in servers the
+    # loop's worst lag fell from ~1 s to ~55 ms; benchmarks/capacity.py)
+    gc.freeze()
+    await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
+    helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]
+    helpers += [pool.supervisor for pool in pools]  # a pool whose workers cannot start ends the run
+    final_eval = (lambda: online_eval.finish(orchestrator.policy)) if online_eval else None
+    await run_until_done(asyncio.create_task(orchestrator.run(), name="orchestrator"), helpers, final_eval)
