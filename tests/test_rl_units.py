@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -50,6 +51,38 @@ def test_build_batch_packing_invariants():
     assert int((pos == 0).sum()) >= 7  # each sequence restarts its positions
     with pytest.raises(ValueError, match="no samples"):
         build_batch([], step=0, seq_len=20, micro_batch_size=2, pad_id=0, temperature=1.0, async_level=1)
+
+
+def test_packed_rows_hold_every_sequence_whole_with_its_own_positions():
+    """Sequences of random lengths (one empty, one of a full row): read back from the rows by the positions, each
+    field of each sequence is there whole, and everything else is padding."""
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(60)] + [0, 48]
+    sequences = [
+        {
+            "input_ids": [rng.randint(1, 99) for _ in range(n)],
+            "loss_mask": [rng.random() < 0.5 for _ in range(n)],
+            "advantages": [round(rng.uniform(-1, 1), 2) for _ in range(n)],
+        }
+        for n in lengths
+    ]
+    pad = {"input_ids": 0, "loss_mask": False, "advantages": 0.0}
+    rows = pack_sequences(sequences, 48, pad)
+    assert rows["input_ids"].dtype == torch.long and rows["loss_mask"].dtype == torch.bool
+    found, padding = [], 0
+    for r in range(rows["input_ids"].shape[0]):
+        starts = (rows["position_ids"][r] == 0).nonzero().flatten().tolist() + [48]
+        for begin, end in zip(starts, starts[1:]):
+            assert rows["position_ids"][r, begin:end].tolist() == list(range(end - begin))
+            got = tuple(tuple(round(v, 2) for v in rows[key][r, begin:end].tolist()) for key in pad)
+            if set(got[0]) == {0}:  # a row's padding: one more segment, fully masked
+                assert not any(got[1]) and set(got[2]) == {0.0}
+                padding += end - begin
+            else:
+                found.append(got)
+    expected = [tuple(tuple(seq[key]) for key in pad) for seq in sequences if seq["input_ids"]]
+    assert sorted(found) == sorted(expected)
+    assert padding == rows["input_ids"].numel() - sum(lengths)
 
 
 def test_packing_refuses_a_field_that_does_not_match_its_tokens():

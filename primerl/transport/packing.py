@@ -5,6 +5,7 @@ split; `position_ids` restart at 0 at each sequence, which transformers turns in
 `use_cache=False`), so packed sequences never attend to each other; padding takes each field's pad value.
 """
 
+import numpy as np
 import torch
 
 PackedRows = dict[str, torch.Tensor]
@@ -14,6 +15,9 @@ def _dtype(value: object) -> torch.dtype:
     if isinstance(value, bool):
         return torch.bool
     return torch.long if isinstance(value, int) else torch.float32
+
+
+NUMPY_DTYPES = {torch.bool: np.bool_, torch.long: np.int64, torch.float32: np.float32}
 
 
 def pack_sequences(sequences: list[dict[str, list]], seq_len: int, pad: dict[str, object]) -> PackedRows:
@@ -32,18 +36,34 @@ def pack_sequences(sequences: list[dict[str, list]], seq_len: int, pad: dict[str
         else:
             rows.append([index])
             used.append(n)
-    out = {key: torch.full((len(rows), seq_len), value, dtype=_dtype(value)) for key, value in pad.items()}
-    out["position_ids"] = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    for r, members in enumerate(rows):  # one tensor per field and row: per sequence, the small copies cost more
-        lengths = [len(sequences[index]["input_ids"]) for index in members]
-        for key in pad:
-            values = []
-            for index, n in zip(members, lengths, strict=True):
-                if len(sequences[index][key]) != n:
-                    raise ValueError(f"sequence {index}: {key} has {len(sequences[index][key])} values for {n} tokens")
-                values += sequences[index][key]
-            out[key][r, : used[r]] = torch.tensor(values, dtype=out[key].dtype)
-        # positions restart at each sequence; the padding is one more, fully masked segment
-        positions = [p for n in [*lengths, seq_len - used[r]] for p in range(n)]
-        out["position_ids"][r] = torch.tensor(positions)
+    return _fill_rows(sequences, rows, used, seq_len, pad)
+
+
+def _fill_rows(
+    sequences: list[dict[str, list]], rows: list[list[int]], used: list[int], seq_len: int, pad: dict[str, object]
+) -> PackedRows:
+    """Each field in one copy for all rows, through numpy (per row or per sequence, and through `torch.tensor`, the
+    copies cost more than the packing: 5% of the orchestrator's CPU at 256 rollouts a batch)."""
+    order = [index for members in rows for index in members]
+    lengths = [len(sequences[index]["input_ids"]) for index in order]
+    filled = (
+        torch.arange(seq_len) < torch.tensor(used, dtype=torch.long)[:, None]
+    )  # row-major: the sequences in `order`
+    out = {}
+    for key, value in pad.items():
+        values = []
+        for index, n in zip(order, lengths, strict=True):
+            if len(sequences[index][key]) != n:
+                raise ValueError(f"sequence {index}: {key} has {len(sequences[index][key])} values for {n} tokens")
+            values += sequences[index][key]
+        out[key] = torch.full((len(rows), seq_len), value, dtype=_dtype(value))
+        out[key][filled] = torch.from_numpy(np.array(values, dtype=NUMPY_DTYPES[out[key].dtype]))
+    # positions restart at each sequence; each row's padding is one more, fully masked segment
+    segments = []
+    for r, members in enumerate(rows):
+        segments += [len(sequences[index]["input_ids"]) for index in members] + [seq_len - used[r]]
+    segments = torch.tensor(segments, dtype=torch.long)
+    starts = torch.cumsum(segments, 0) - segments
+    flat = torch.arange(len(rows) * seq_len) - torch.repeat_interleave(starts, segments)
+    out["position_ids"] = flat.view(len(rows), seq_len)
     return out
