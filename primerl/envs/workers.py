@@ -31,7 +31,7 @@ from typing import Any
 import verifiers.v1 as vf
 
 from primerl.envs.types import Rollout, RolloutFailure
-from primerl.envs.verifiers_env import episode_rollouts, seeded
+from primerl.envs.verifiers_env import seeded
 from primerl.envs.worker_process import (
     Worker,
     exit_reason,
@@ -136,27 +136,25 @@ class EnvWorkers:
             await self._live.wait()
         worker.outstanding += 1
         try:
-            episode = await race(self._request(worker, ctx, task), worker.gone)
+            rollouts = await race(self._request(worker, ctx, task), worker.gone)
         finally:
             worker.outstanding -= 1
-        if episode is LOST:
+        if rollouts is LOST:
             self.lost += 1
             return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}")]
-        if isinstance(episode, RolloutFailure):
-            return [episode]
-        return episode_rollouts(episode)
+        return rollouts
 
-    async def _request(self, worker: Worker, ctx: vf.ModelContext, task: Any) -> Any:
-        """The worker's episode for `task`, or a RolloutFailure for a request it answered but could not run."""
+    async def _request(self, worker: Worker, ctx: vf.ModelContext, task: Any) -> list[Rollout | RolloutFailure]:
+        """The worker's rollouts of `task`, or a RolloutFailure for a request it answered but could not run."""
         try:
-            episode = await worker.client.run(ctx.client, ctx.model, ctx.sampling, task.data.model_dump(mode="json"))
+            rollouts = await worker.client.rollouts(ctx, task.data.model_dump(mode="json"))
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the server's answer to a request it could not run
             self.liveness.finished(worker.pulse)  # an answer, whatever it says, is a sign of life
-            return RolloutFailure(f"env worker {worker.index}: {str(err).splitlines()[0][:300]}")
+            return [RolloutFailure(f"env worker {worker.index}: {str(err).splitlines()[0][:300]}")]
         self.liveness.finished(worker.pulse)
-        return episode
+        return rollouts
 
     async def _supervise(self, keepers: list) -> None:
         await asyncio.gather(*keepers)
