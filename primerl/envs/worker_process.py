@@ -29,6 +29,7 @@ from verifiers.v1.serve.server import EnvServer
 from verifiers.v1.serve.types import RunRequest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
+from primerl.envs.verifiers_env import episode_rollouts
 from primerl.utils.liveness import Pulse
 from primerl.utils.log import configure_logging, get_logger
 
@@ -77,8 +78,6 @@ class RolloutsServer(EnvServer):
             await self.frontend.send_multipart([client_id, request_id, b"reply", data], copy=False)
 
     async def _rollouts(self, request: RunRequest) -> list[Rollout | RolloutFailure]:
-        from primerl.envs.verifiers_env import episode_rollouts
-
         (slot,) = self.env.slots(self._build_task(request.task_data))
         context = self._context(request.client, request.model, request.sampling)
         return episode_rollouts(await self.env.run_slot(slot, context, self._gate))
