@@ -12,13 +12,14 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from primerl.compare import main as compare_main
 from primerl.config.cli import check, compose
 from primerl.ledger.follower import MetricsFollower
 from primerl.ledger.mlflow_ledger import Ledger, flatten
 from primerl.metrics import append_metrics
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
-from tests.conftest import run_module, sweep_children, wandb_offline_records
+from tests.conftest import run_module, wandb_offline_records
 
 
 def _cfg(tmp_path, *overrides):
@@ -150,14 +151,25 @@ def test_sweep_jobs_are_children_of_one_parent(tmp_path):
     assert parent.info.experiment_id == client.get_run(runs[0].run_id).info.experiment_id
 
 
-def test_compare_prints_differences_and_plots(tmp_path):
-    sweep = tmp_path / "sweep"
+def test_compare_prints_differences_and_plots(tmp_path, capsys):
+    sweep, jobs = tmp_path / "sweep", []
     for job, lr in enumerate(("1e-5", "3e-5")):
         cfg, resolved = _cfg(tmp_path, "name=cmp", f"trainer.optim.lr={lr}")
         ledger = Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job)
         for step in range(3):
             ledger.log_metrics(step, {"reward/mean": 0.1 * step * (job + 1)}, "orchestrator/")
         ledger.finish()
+        jobs.append(ledger.run_id)
+    original = jobs[0]
+    # a rerun of the first job (primerl rerun tags it rerun_of), shortened: `--rerun-of` shows the two side by side
+    cfg, resolved = _cfg(tmp_path, "name=cmp", "trainer.optim.lr=1e-5", "trainer.max_steps=2")
+    cfg.ledger.tags["rerun_of"] = original
+    rerun = Ledger.open(cfg, resolved, tmp_path / "rerun")
+    rerun.finish()
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    assert compare_main(["--tracking-uri", uri, "--rerun-of", original, "--plot", ""]) == 0
+    shown = capsys.readouterr().out
+    assert "2 run(s)" in shown and "settings that differ: trainer.max_steps" in shown, shown
     plot = tmp_path / "cmp.png"
     result = run_module(
         "primerl.compare",
@@ -288,38 +300,6 @@ def test_real_mlflow_server_on_loopback(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
-
-
-@pytest.mark.slow
-def test_multirun_sweep_records_parent_and_children(cache_dir, tmp_path):
-    sweep = tmp_path / "sweep"
-    result = run_module(
-        "primerl.train",
-        "-m",
-        "+experiment=reverse_text",
-        "sft.enabled=false",
-        "trainer.max_steps=1",
-        "orchestrator.batch_size=8",
-        "orchestrator.group_size=4",
-        "trainer.optim.lr=1e-4,2e-4",
-        f"inference.port={free_port()}",
-        f"hydra.sweep.dir={sweep}",
-        f"ledger.store_dir={tmp_path / 'store'}",
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    sweep_children(tmp_path / "store", sweep, ["0.0001", "0.0002"])
-    compared = run_module(
-        "primerl.compare",
-        "--store-dir",
-        str(tmp_path / "store"),
-        "--sweep",
-        str(sweep),
-        "--plot",
-        str(tmp_path / "sweep.png"),
-        timeout=120,
-    )
-    assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout
 
 
 def test_mlflow_environment_variables_are_honoured_and_the_config_wins(tmp_path, monkeypatch, caplog):

@@ -59,16 +59,22 @@ def _streamed(url: str, prompt: list[int]) -> list[str]:
 
 
 @torch.no_grad()
-def _greedy(model_dir, prompt: list[int]) -> list[int]:
+def _greedy(model_dir, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of `prompt` (12 tokens) and each chosen token's log-prob."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    ids = torch.tensor([prompt])
+    ids, logprobs = torch.tensor([prompt]), []
     for _ in range(12):
-        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(prompt) :].tolist()
+        scores = model(ids).logits[0, -1].log_softmax(-1)
+        logprobs.append(float(scores.max()))
+        ids = torch.cat([ids, scores.argmax().view(1, 1)], 1)
+    return ids[0, len(prompt) :].tolist(), logprobs
 
 
-def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_follow_an_update(cache_dir, tmp_path):
-    ports = [free_port() for _ in range(4)]
+def test_prefill_and_decode_through_the_router_serve_what_the_model_computes_and_follow_an_update(cache_dir, tmp_path):
+    """A prefill and a decode server behind the router: greedy token ids and log-probs as transformers computes them,
+    the prompt's KV carried from prefill to decode (plain and streamed), and an update that reaches both servers and
+    empties the KV store."""
+    ports = [free_port() for _ in range(3)]
     pd = cpu_pd_overrides(ports)
     common = ["+experiment=reverse_text", "sft.enabled=false", f"cache_dir={cache_dir}", f"output_dir={tmp_path}"]
     cfg = check([*common, *pd])
@@ -76,27 +82,25 @@ def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_
     with pytest.raises(ConfigError, match="inference.pd.kv_connector"):
         check_supported(check([*common, "inference.pd.enabled=true"]).inference, "cpu")  # NixlConnector: GPUs
     model = prepare_base_model(cfg)
-    specs = render_specs(cfg, model, "cpu")
-    (single,) = render_specs(check([*common, f"inference.port={ports[3]}"]), model, "cpu")
-    servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in [*specs, single]]
+    servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in render_specs(cfg, model, "cpu")]
     tok = AutoTokenizer.from_pretrained(model)
     prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n")
     try:
         start_side_by_side(servers)
-        prefill, decode, alone = servers
+        prefill, decode = servers
         (router,) = start_routers(cfg.inference, tmp_path, prefill.spec.env)
         url = f"http://127.0.0.1:{ports[0]}"
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 200 and health.headers[SERVER_ID_HEADER] == server_identity(tmp_path)
         ids, logprobs = _generate(url, prompt)
-        expected_ids, expected_logprobs = _generate(alone.base_url, prompt)
+        expected_ids, expected_logprobs = _greedy(model, prompt)
         assert ids == expected_ids and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
         assert any(pd_kv_store(tmp_path, 0).iterdir())  # the prefill server stored the prompt's KV...
         hits = len(re.findall("External Cache Hit", decode.log_path.read_text()))
         assert hits == 1  # ...and the decode server loaded it instead of prefilling
         chunks = _streamed(url, prompt)
-        assert len(chunks) > 1 and "".join(chunks) == _completion(alone.base_url, prompt)  # streamed through PD
-        assert len(re.findall("External Cache Hit", decode.log_path.read_text())) == 2
+        assert len(chunks) > 1 and "".join(chunks) == _completion(url, prompt)  # streamed and whole through PD
+        assert len(re.findall("External Cache Hit", decode.log_path.read_text())) == 3
 
         state = AutoModelForCausalLM.from_pretrained(model).state_dict()
         torch.manual_seed(1)
@@ -112,7 +116,7 @@ def test_prefill_and_decode_through_the_router_serve_what_one_server_serves_and_
         assert asyncio.run(update()) == 1
         assert not any(pd_kv_store(tmp_path, 0).iterdir())  # the old weights' KV went with the pause
         ids, _ = _generate(url, prompt)
-        assert ids == _greedy(new_dir, prompt) != expected_ids
+        assert ids == _greedy(new_dir, prompt)[0] != expected_ids
         router.stop()
     finally:
         for server in servers:

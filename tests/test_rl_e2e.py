@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from primerl.transport.batches import read_rollout_batch
 from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_path
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
-from tests.conftest import ROOT, run_module, wandb_offline_records
+from tests.conftest import ROOT, run_module, sweep_children, wandb_offline_records
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +68,38 @@ def _train(run_dir, *overrides, steps=3, sft=False):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
-def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
-    run = tmp_path / "run"
-    # with online evals on the env's held-out split at v0, v2 and the end (v3)
-    result = _train(
-        run, "orchestrator.async_level=1", "eval.every=2", "eval.num_tasks=8", "eval.samples_per_task=2", "eval.k=2"
-    )
+# lock-step, seeded requests: batch n comes from policy n, and the same command makes the same batches again
+LOCK_STEP = ("orchestrator.async_level=0", "orchestrator.drain_per_step=true", "orchestrator.seed_requests=true")
+# online evals on the env's held-out split at v0, v2 and the end (v3)
+EVALS = ("eval.every=2", "eval.num_tasks=8", "eval.samples_per_task=2", "eval.k=2")
+
+
+def test_ctrl_c_stops_a_run_and_the_same_command_again_runs_end_to_end_to_the_same_batches(cache_dir, tmp_path):
+    """A lock-step run (async_level=0: batch n comes from policy n) recorded by W&B offline; Ctrl-C mid-run stops
+    every process; nothing listened beyond loopback; what was produced stays, in the run directory and in its W&B
+    record. Then the same command in a new directory runs to its end with MLflow: the driver's console, the metrics,
+    online evals, logs, weights and the MLflow record; its batches and its first trainer step equal the interrupted
+    run's to the bit."""
+    run = tmp_path / "interrupted"
+    overrides = (f"inference.port={free_port()}", "ledger=wandb", "ledger.wandb.mode=offline", *LOCK_STEP, *EVALS)
+    with _run_until_trainer_step(run, 2, *overrides) as train:
+        opened = _listening(_descendants(train.pid))  # vLLM and its engine, the interception server, the trainer
+        assert opened and all(_loopback(address) for address, _ in opened), sorted(opened)
+        train.send_signal(signal.SIGINT)
+        _, err = train.communicate(timeout=120)
+    assert train.returncode == 130, err[-3000:]
+    assert "interrupted; all processes stopped" in err
+    assert _pids_mentioning(str(run)) == []
+    interrupted = read_metrics(run, "orchestrator")
+    assert [r["policy_version"] for r in interrupted[:2]] == [0.0, 1.0]  # batch n comes from policy n
+    assert all(r["off_policy/max"] == 0 and r["off_policy/span_max"] == 0 for r in interrupted)
+    assert rollout_path(run, 0).exists() and rollout_path(run, 1).exists()  # what was produced stays
+    history, config = wait_until(lambda: wandb_offline_records(run), "W&B's offline record", timeout_s=60)
+    assert [row["trainer/step"] for row in history if "trainer/loss" in row][:2] == [0, 1]
+    assert config["orchestrator.async_level"] == "0" and not (run / "ledger.json").exists()  # W&B only
+
+    again = tmp_path / "again"
+    result = _train(again, *LOCK_STEP, *EVALS)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     # the driver says what happens: vLLM's start, each step with its ETA, each online eval, a summary at the end
     assert "inference servers and envs starting" in result.stdout
@@ -81,28 +108,34 @@ def test_reverse_text_run_end_to_end(cache_dir, tmp_path):
     )
     assert "eval of policy v2: primerl-reverse-text reward" in result.stdout
     assert re.search(r"done in \d+m\d\ds: reward [\d.]+ -> [\d.]+ over 3 steps", result.stdout)
-    assert "MLflow run " in result.stdout and (run / "reward.png").exists()
-    evals = read_metrics(run, "eval")
+    assert "MLflow run " in result.stdout and (again / "reward.png").exists()
+    evals = read_metrics(again, "eval")
     assert [r["step"] for r in evals] == [0, 2, 3]
     assert all(r["primerl-reverse-text/rollouts"] + r["primerl-reverse-text/failures"] == 16 for r in evals)
-    orch, trainer = read_metrics(run, "orchestrator"), read_metrics(run, "trainer")
+    orch, trainer = read_metrics(again, "orchestrator"), read_metrics(again, "trainer")
     assert [r["step"] for r in orch] == [0, 1, 2] and [r["step"] for r in trainer] == [0, 1, 2]
     for row in orch:
         assert row["rollouts/ok"] > 0 and 0.0 <= row["reward/mean"] <= 1.0
-        assert row["off_policy/max"] <= 1  # async_level=1
+        assert row["off_policy/max"] == 0  # async_level=0
         # one reward function: no reward/<fn> repeating reward/mean (the mixture's two envs have one each)
         assert [key for key in row if key.startswith("reward/")] == ["reward/mean"]
     # step 0 trains on samples from the very policy it holds: trainer and vLLM logprobs must agree
     assert trainer[0]["mismatch_kl"] < 1e-4
     assert trainer[0]["masked_fraction"] == 0.0
-    assert all(rollout_path(run, s).exists() for s in range(3))
-    assert is_stable(weights_path(run, 3))
-    assert (run / ".hydra" / "config.yaml").exists()
-    assert {"inference.log", "orchestrator.log", "trainer.log"} <= {p.name for p in (run / "logs").iterdir()}
-    samples = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
+    assert all(rollout_path(again, s).exists() for s in range(3))
+    assert is_stable(weights_path(again, 3))
+    assert (again / ".hydra" / "config.yaml").exists()
+    assert {"inference.log", "orchestrator.log", "trainer.log"} <= {p.name for p in (again / "logs").iterdir()}
+    samples = [json.loads(line) for line in (again / "rollouts" / "samples.jsonl").read_text().splitlines()]
     assert samples and {"task", "completion", "reward"} <= set(samples[0])
-    assert _pids_mentioning(str(run)) == []  # every child stopped
-    _check_ledger(run, trainer)
+    assert _pids_mentioning(str(again)) == []  # every child stopped
+    _check_ledger(again, trainer)
+    for step in (0, 1):  # batch 1 was sampled by the policy trained on batch 0
+        first, second = (read_rollout_batch(rollout_path(r, step)).micro_batches for r in (run, again))
+        assert len(first) == len(second)
+        for a, b in zip(first, second):
+            assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), step
+    assert trainer[0]["loss"] == read_metrics(run, "trainer")[0]["loss"]
 
 
 def _check_ledger(run, trainer_rows):
@@ -176,35 +209,55 @@ def save_qwen3_model(directory) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def test_environment_mixture_with_a_multi_turn_env_on_a_model_from_a_directory(cache_dir, tmp_path):
-    """Two envs by weight, from the experiment's command (its SFT left on: a mixture has no demonstrations); one of
-    them, primerl-guess-number (any installed verifiers env by id), is multi-turn. The model is a Hugging Face
-    directory (`model=hf model.path=DIR`), served by vLLM and trained by the trainer from there."""
-    run = tmp_path / "mixture"
+def test_a_sweep_over_a_mixture_with_a_multi_turn_env_on_a_model_from_a_directory(cache_dir, tmp_path):
+    """`primerl train -m` over two learning rates (Hydra's basic launcher: the jobs one after another in the driver's
+    process), recorded as an MLflow parent run with a child per job, which `primerl compare --sweep` tells apart. Each
+    job trains on two envs by weight, from the experiment's command (its SFT left on: a mixture has no
+    demonstrations); one of them, primerl-guess-number (any installed verifiers env by id), is multi-turn. The model
+    is a Hugging Face directory (`model=hf model.path=DIR`), served by vLLM and trained by the trainer from there."""
+    sweep, store = tmp_path / "sweep", tmp_path / "store"
     save_qwen3_model(tmp_path / "qwen3")
     model = ["model=hf", f"model.path={tmp_path / 'qwen3'}", "model.dtype=float32"]
     mixture = "mixture=[{id:primerl-reverse-text,weight:1},{id:primerl-guess-number,weight:1,args:{high:16}}]"
-    result = _train(
-        run, mixture, *model, "orchestrator.max_tokens=8", "eval.every=0", "ledger.sample_every=1", steps=2, sft=True
+    result = run_module(
+        "primerl.train",
+        "-m",
+        "+experiment=reverse_text",
+        mixture,
+        *model,
+        "orchestrator.max_tokens=8",
+        "eval.every=0",
+        "ledger.sample_every=1",
+        "trainer.max_steps=2",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        "trainer.optim.lr=1e-4,2e-4",
+        f"inference.port={free_port()}",
+        f"hydra.sweep.dir={sweep}",
+        f"ledger.store_dir={store}",
+        timeout=900,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "no SFT warm-start: no demonstrations for a mixture" in result.stderr
+    sweep_children(store, sweep, ["0.0001", "0.0002"])
+    compared = run_module(
+        "primerl.compare", "--store-dir", str(store), "--sweep", str(sweep), "--plot", str(tmp_path / "sweep.png")
+    )
+    assert compared.returncode == 0 and "settings that differ: trainer.optim.lr" in compared.stdout
+
+    run = sweep / "0"
     assert not (run / "sft").exists()
     rows = read_metrics(run, "orchestrator")
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         assert row["env/primerl-reverse-text/samples"] + row["env/primerl-guess-number/samples"] == 16
         assert read_rollout_batch(rollout_path(run, row["step"])).num_samples == 16
-        if (
-            row["env/primerl-reverse-text/samples"] and row["env/primerl-guess-number/samples"]
-        ):  # each env's reward function
-            assert {"reward/lcs", "reward/solved"} <= set(row)
+        if row["env/primerl-reverse-text/samples"] and row["env/primerl-guess-number/samples"]:
+            assert {"reward/lcs", "reward/solved"} <= set(row)  # each env's reward function
     sampled = [json.loads(line) for line in (run / "rollouts" / "samples.jsonl").read_text().splitlines()]
     assert all(s["task"].startswith(("primerl-reverse-text/", "primerl-guess-number/")) for s in sampled)
-    assert (
-        sum(r["env/primerl-guess-number/samples"] for r in rows) > 0
-        and sum(r["env/primerl-reverse-text/samples"] for r in rows) > 0
-    )
+    assert sum(r["env/primerl-guess-number/samples"] for r in rows) > 0
+    assert sum(r["env/primerl-reverse-text/samples"] for r in rows) > 0
     # a multi-turn rollout yields a sample per branch; the env's @vf.metric reaches the metrics
     assert all(1 <= r["metric/turns"] <= 5 for r in rows if r["env/primerl-guess-number/samples"])
     # env turns are masked out: only sampled tokens count, so the trainer's and vLLM's logprobs agree at step 0
@@ -319,25 +372,19 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     for name in ("trainer/loss", "orchestrator/reward/mean"):
         assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(steps)), name
 
-    # the same run again from its MLflow record, shortened (an override given to rerun), tagged and compared
+    # the same run again from its MLflow record, shortened (an override given to rerun): the command it would run
+    # carries the recorded overrides, seeds and the rerun tag, and composes (running it is any other `primerl train`;
+    # `compare --rerun-of`: tests/test_ledger.py)
     uri = json.loads((run / "ledger.json").read_text())["tracking_uri"]
-    rerun = [sys.executable, "-m", "primerl.cli", "rerun", run_id, "--force", "--tracking-uri", uri]
-    result = subprocess.run(
-        [*rerun, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'rerun'}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    rerun = [sys.executable, "-m", "primerl.cli", "rerun", run_id, "--force", "--dry-run", "--tracking-uri", uri]
+    result = subprocess.run([*rerun, "trainer.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("rerun: ")]
+    again = check(shlex.split(line.removeprefix("rerun: "))[2:])  # after "-m primerl.train"
+    assert again.ledger.tags["rerun_of"] == run_id and again.trainer.max_steps == 2
+    assert again.seed == check(["+experiment=reverse_text"]).seed
+    assert again.trainer.lr_schedule.type == "cosine"  # the recorded overrides came along
     experiment = client.get_run(run_id).info.experiment_id
-    (again,) = client.search_runs([experiment], f"tags.rerun_of = '{run_id}'")
-    assert again.info.status == "FINISHED" and again.data.params["trainer.max_steps"] == "2"
-    assert again.data.params["seed"] == client.get_run(run_id).data.params["seed"]
-    assert again.data.params["trainer.lr_schedule.type"] == "cosine"  # the recorded overrides came along
-    compare = [sys.executable, "-m", "primerl.cli", "compare", "--tracking-uri", uri, "--rerun-of", run_id]
-    shown = subprocess.run([*compare, "--plot", ""], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0 and "2 run(s)" in shown.stdout and "trainer.max_steps" in shown.stdout, shown
 
     # a fork from the run's checkpoint of step 5 trains steps 5 and 6 with another loss, drawing the tasks after it
     fork, at = tmp_path / "fork", steps - 1
@@ -401,40 +448,6 @@ def _loopback(address: str) -> bool:
     return address in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")  # ::1, ::ffff:127.0.0.1
 
 
-def test_synchronous_run_trains_on_the_current_policy_and_ctrl_c_stops_it(cache_dir, tmp_path):
-    """async_level=0: batch n comes from policy n. Ctrl-C mid-run stops every process; nothing listened beyond
-    loopback; what was produced stays, in the run directory and in its W&B record (ledger=wandb, offline). The same
-    command again (lock-step, seeded requests) makes the same batches and the same trainer step, to the bit."""
-    run = tmp_path / "interrupted"
-    lock_step = ("orchestrator.async_level=0", "orchestrator.drain_per_step=true", "orchestrator.seed_requests=true")
-    overrides = (f"inference.port={free_port()}", "ledger=wandb", "ledger.wandb.mode=offline", *lock_step)
-    with _run_until_trainer_step(run, 2, *overrides) as train:
-        opened = _listening(_descendants(train.pid))  # vLLM and its engine, the interception server, the trainer
-        assert opened and all(_loopback(address) for address, _ in opened), sorted(opened)
-        train.send_signal(signal.SIGINT)
-        _, err = train.communicate(timeout=120)
-    assert train.returncode == 130, err[-3000:]
-    assert "interrupted; all processes stopped" in err
-    assert _pids_mentioning(str(run)) == []
-    orch = read_metrics(run, "orchestrator")
-    assert [r["policy_version"] for r in orch[:2]] == [0.0, 1.0]  # batch n comes from policy n
-    assert all(r["off_policy/max"] == 0 and r["off_policy/span_max"] == 0 for r in orch)
-    assert rollout_path(run, 0).exists() and rollout_path(run, 1).exists()  # what was produced stays
-    history, config = wait_until(lambda: wandb_offline_records(run), "W&B's offline record", timeout_s=60)
-    assert [row["trainer/step"] for row in history if "trainer/loss" in row][:2] == [0, 1]
-    assert config["orchestrator.async_level"] == "0" and not (run / "ledger.json").exists()  # W&B only
-
-    again = tmp_path / "again"
-    result = _train(again, "ledger=none", *lock_step, steps=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for step in (0, 1):  # batch 1 was sampled by the policy trained on batch 0
-        first, second = (read_rollout_batch(rollout_path(r, step)).micro_batches for r in (run, again))
-        assert len(first) == len(second)
-        for a, b in zip(first, second):
-            assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), step
-    assert read_metrics(again, "trainer")[0]["loss"] == read_metrics(run, "trainer")[0]["loss"]
-
-
 def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):
     result = run_module(
         "primerl.train", "env=verifiers", "env.id=no-such-env", f"hydra.run.dir={tmp_path}", timeout=120
@@ -447,7 +460,11 @@ def test_unknown_environment_is_a_one_line_config_error(cache_dir, tmp_path):
 def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores_them(cache_dir, tmp_path):
     """`model.lora.rank=8`: SFT trains an adapter (`sft.lora=adapter`), which is the run's policy v0; the servers start
     with it over the base model; each step publishes the adapter alone and the replica loads it in place; step 0's
-    mismatch KL is the full-weight run's; `primerl eval eval.run=RUN` serves the last adapter over its base."""
+    mismatch KL is the full-weight run's. Then `primerl eval eval.run=RUN` serves the last adapter over its base, on a
+    test-only env by id (`env=verifiers env.id=...`) and the held-out split its `eval_args` name: its reward raises,
+    hangs or returns NaN on some tasks; those are counted apart, the rest scored; the summary, the console line and
+    the MLflow record agree."""
+    from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
     from primerl.model.adapter import ADAPTER_FILE
@@ -471,18 +488,52 @@ def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores
     assert re.search(r"policy v\d -> v3 loaded in flight", (run / "logs" / "orchestrator.log").read_text())
     trainer = read_metrics(run, "trainer")
     assert [r["step"] for r in trainer] == [0, 1, 2] and trainer[0]["mismatch_kl"] < 1e-4
-    scored = run_module(
-        "primerl.eval",
+
+    common = [
         "+experiment=reverse_text",
         f"eval.run={run}",
-        "eval.num_tasks=4",
-        "eval.samples_per_task=1",
-        f"inference.port={free_port()}",
+        "eval.num_tasks=24",
+        "eval.samples_per_task=3",
+        "eval.k=2",
+        "inference.port=0",
         f"cache_dir={cache_dir}",
-        f"hydra.run.dir={tmp_path / 'eval'}",
-        "ledger.enabled=false",
+        f"ledger.store_dir={tmp_path / 'ledger'}",
+    ]
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "eval"
+    scored = run_module(
+        "primerl.eval",
+        *common,
+        "env=verifiers",
+        "env.id=faulty-reverse-text",
+        "+env.eval_args.stream=eval",
+        "orchestrator.rollout_timeout_s=20",
+        "eval.max_inflight=24",
+        f"hydra.run.dir={out}",
+        env=env,
     )
     assert scored.returncode == 0, scored.stderr[-3000:]
-    summary = json.loads((tmp_path / "eval" / "eval.json").read_text())
-    assert summary["model"] == str(weights_path(run, 3).resolve()) and summary["step"] == 3
-    assert summary["failures"] == 0 and 0.0 <= summary["reward_mean"] <= 1.0
+    summary = json.loads((out / "eval.json").read_text())
+    policy = str(weights_path(run, 3).resolve())
+    assert summary["model"] == policy and summary["step"] == 3  # the run's last adapter
+    assert summary["tasks"] == 24 and summary["rollouts"] + summary["failures"] == 72
+    assert summary["env_args"]["stream"] == "eval"
+    assert summary["failures"] > 0 and summary["rollouts"] > 0
+    assert any(reason.startswith("timeout") for reason in summary["failure_reasons"])
+    assert any("failed on purpose" in reason for reason in summary["failure_reasons"])
+    assert 0 <= summary["reward_mean"] <= 1 and 0 <= summary["pass@2"] <= 1 and 0 <= summary["avg@2"] <= 1
+    assert {"reward/lcs", "reward_stderr", "avg@2"} <= set(summary)
+    assert "faulty-reverse-text: reward" in scored.stdout
+    client = MlflowClient(f"sqlite:///{tmp_path / 'ledger' / 'mlflow.db'}")
+    (recorded,) = client.search_runs([client.get_experiment_by_name("reverse_text").experiment_id])
+    assert recorded.data.tags["primerl.kind"] == "eval" and recorded.data.tags["eval.model"] == policy
+    assert recorded.data.metrics["eval/faulty-reverse-text/reward_mean"] == pytest.approx(summary["reward_mean"])
+    assert "eval/faulty-reverse-text/pass_at_2" in recorded.data.metrics
+
+    for bad, key in (
+        (["eval.run=null"], "eval.model: give exactly one of"),
+        (["eval.k=5"], "eval.k: 5 exceeds"),
+        (["eval.run=null", f"eval.model={tmp_path}"], "is neither a Hugging Face model directory nor a LoRA adapter"),
+    ):
+        result = run_module("primerl.eval", *common, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
+        assert result.returncode == 2 and key in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
-from primerl.model.adapter import write_start_adapter
 from primerl.model.resolve import base_model_ref, prepare_base_model
 from primerl.sft.config import SftLora
 from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable
@@ -99,6 +98,8 @@ def prepare_start_adapter(cfg: RunConfig) -> Path | None:
     if is_stable(target):
         return target
     if not rl_continues_sft_adapter(cfg):
+        from primerl.model.adapter import write_start_adapter  # torch, transformers: only LoRA runs pay the import
+
         return write_start_adapter(prepare_start_model(cfg), cfg.model.lora, cfg.seed, target)
     trained = sft_checkpoint_dir(cfg)
     if not is_stable(trained):

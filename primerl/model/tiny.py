@@ -9,14 +9,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from primerl.model.config import TinyArchConfig
 from primerl.transport.atomic import atomic_dir
 from primerl.utils.locks import locked
+
+if TYPE_CHECKING:  # torch and transformers load only where a model or a tokenizer is built (~3 s of imports)
+    from transformers import PreTrainedTokenizerFast
 
 TOKENIZER_VERSION = 2  # bump when the tokenizer or template below changes: it is part of the cache key
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -70,9 +70,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tokenizer(tool_call_tokens: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(tool_call_tokens: bool = False) -> "PreTrainedTokenizerFast":
     """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|>, <|im_start|>, <|im_end|>, and with
     `tool_call_tokens` <tool_call>, </tool_call> (one id each, which the renderers' Hermes tool parser needs)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -89,7 +92,7 @@ def build_tokenizer(tool_call_tokens: bool = False) -> PreTrainedTokenizerFast:
     )
 
 
-def _hf_config(arch: TinyArchConfig, tokenizer: PreTrainedTokenizerFast, dtype: str):
+def _hf_config(arch: TinyArchConfig, tokenizer: "PreTrainedTokenizerFast", dtype: str):
     common = dict(
         vocab_size=len(tokenizer),  # exactly the tokenizer: no id the policy can sample is undecodable
         hidden_size=arch.hidden_size,
@@ -141,6 +144,7 @@ def build_tiny_model(cache_dir: str, arch: TinyArchConfig, init_seed: int, dtype
     with locked(target):
         if (target / "config.json").exists():
             return target
+        import torch
         from transformers import AutoModelForCausalLM
 
         tokenizer = build_tokenizer(arch.tool_call_tokens)
