@@ -11,9 +11,14 @@ On one machine with the same rank layout and trainer threads a replay is bit-exa
 the loss reads, and the learning-rate schedule spans the run's trainer.max_steps (trainer.stop_at ends the replay).
 Where it is not, the report names the first step that differs and by how much. Exit status: 0 all equal, 1 some
 differ, 2 bad input (one line, nothing started).
+
+The recorded overrides are data (primerl.config.recorded): one that is not a literal setting of primerl's schema is
+refused with one line naming it, one whose value is code needs `--trust`, and a run directory another user owns or
+can write is shown and asked about on a terminal, refused elsewhere, unless `--trust`.
 """
 
 import argparse
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from primerl.config.cli import check
+from primerl.config.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
 from primerl.config.schema import RunConfig
 from primerl.launch.children import child_env, module_command
 from primerl.launch.local import trainer_threads
@@ -40,11 +46,21 @@ class BadInput(Exception):
     pass
 
 
-def recorded_overrides(run: Path) -> list[str]:
+def recorded_overrides(run: Path, trusted: bool = False) -> list[str]:
+    """The run's overrides but its output directory; BadInput when one is not a literal setting of the schema, or
+    when another user wrote them and this user does not confirm (or `trusted`)."""
     path = run / ".hydra" / "overrides.yaml"
     if not path.exists():
         raise BadInput(f"{run} is not a primerl run directory (no .hydra/overrides.yaml)")
-    return [str(o) for o in yaml.safe_load(path.read_text()) or [] if not str(o).startswith(("output_dir=", "hydra."))]
+    overrides = [str(o) for o in yaml.safe_load(path.read_text()) or [] if not str(o).startswith("output_dir=")]
+    try:
+        check_recorded(overrides, trusted)
+    except UnsafeOverride as err:
+        raise BadInput(f"{path} holds an override a record may not carry: {err}") from None
+    writer = None if trusted else foreign_writer(path)
+    if writer is not None and not confirm(shlex.join(["primerl", "trainer", *overrides]), writer, str(path)):
+        raise BadInput(f"{path} was written by {writer} (read it, then --trust)")
+    return overrides
 
 
 def step_range(run: Path, steps: str | None) -> tuple[int, int]:
@@ -144,11 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", type=Path, help="the recorded run's directory")
     parser.add_argument("--steps", help="A:B, the steps to replay (default: every trained step)")
     parser.add_argument("--out", type=Path, help="the replay's directory (default: <run>-replay)")
+    parser.add_argument(
+        "--trust", action="store_true", help="replay a run another user wrote, and settings that name code, unasked"
+    )
     args, extra = parser.parse_known_args(argv)
     run = args.run.resolve()
     out = (args.out or run.with_name(f"{run.name}-replay")).resolve()
     try:
-        overrides = [*recorded_overrides(run), *extra]
+        overrides = [*recorded_overrides(run, args.trust), *extra]
         cfg = check([*overrides, f"output_dir={out}"])
         start, end = step_range(run, args.steps)
         if start == 0:

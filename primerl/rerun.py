@@ -11,10 +11,17 @@ by side with the settings that differ. OVERRIDES given here are added last (an a
 The record names the commit it ran (`git.commit`, `git.dirty`): a checkout at another commit, or with uncommitted
 changes, may not run what the record ran, and the rerun is refused with one line unless `--force`. What a rerun
 reproduces exactly, and what it cannot: docs/training.md, "Rerunning and replaying".
+
+A record is data (primerl.config.recorded): an override that is not one of primerl's settings with a literal value
+is refused with one line naming it, and one whose value is code (SLURM setup lines, vLLM flags, a custom loss) needs
+`--trust`. A record another user wrote (its `mlflow.user`, or a store file others own or can write) is shown and
+asked about on a terminal, and refused elsewhere, unless `--trust`.
 """
 
 import argparse
+import getpass
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -25,6 +32,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from primerl.compare import default_uri
+from primerl.config.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
 from primerl.ledger.system_info import system_tags
 from primerl.utils.secrets import MASK
 
@@ -35,8 +43,9 @@ class Refused(Exception):
     pass
 
 
-def recorded_overrides(client: MlflowClient, run) -> list[str]:
-    """The run's overrides, without its directory, its seeds (added from their tags) and masked secrets."""
+def recorded_overrides(client: MlflowClient, run, trusted: bool = False) -> list[str]:
+    """The run's overrides, without its directory, its seeds (added from their tags) and masked secrets; Refused
+    when one is not a literal setting of primerl's schema (primerl.config.recorded)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # its bar would be a second line
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -48,7 +57,22 @@ def recorded_overrides(client: MlflowClient, run) -> list[str]:
         overrides = [str(o) for o in yaml.safe_load(path.read_text()) or []]
     kept = [o for o in overrides if not o.lstrip("+~").startswith(LEFT_OUT) and not o.endswith(f"={MASK}")]
     tags = run.data.tags
-    return [*kept, f"seed={tags.get('seed', '0')}", f"model.init_seed={tags.get('model.init_seed', '0')}"]
+    seeds = [f"seed={tags.get('seed', '0')}", f"model.init_seed={tags.get('model.init_seed', '0')}"]
+    try:
+        return check_recorded([*kept, *seeds], trusted)
+    except UnsafeOverride as err:
+        raise Refused(f"run {run.info.run_id} records an override it may not carry: {err}") from None
+
+
+def record_writer(run, uri: str) -> str | None:
+    """Who wrote the record, when that may be another user: its `mlflow.user`, or whoever owns or can write the
+    store's file (a sqlite store); None when it is this user's own."""
+    user = run.data.tags.get("mlflow.user")
+    if user != getpass.getuser():
+        return f"user {user}" if user else "an unknown user (no mlflow.user tag)"
+    if uri.startswith("sqlite:///"):
+        return foreign_writer(Path(uri.removeprefix("sqlite:///")))
+    return None
 
 
 def check_commit(run, force: bool) -> str | None:
@@ -79,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-dir", default="outputs", help="the embedded store's directory (default: outputs)")
     parser.add_argument("--force", action="store_true", help="go on at another commit or with uncommitted changes")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    parser.add_argument(
+        "--trust", action="store_true", help="run a record another user wrote, and settings that name code, unasked"
+    )
     args, extra = parser.parse_known_args(argv)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(args.store_dir)
     client = MlflowClient(uri)
@@ -87,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             run = client.get_run(args.run_id)
         except MlflowException as err:
             raise Refused(f"no run {args.run_id} in {uri}") from err
-        overrides = [*recorded_overrides(client, run), f"+ledger.tags.rerun_of='{args.run_id}'", *extra]
+        recorded = recorded_overrides(client, run, args.trust)
+        overrides = [*recorded, f"+ledger.tags.rerun_of='{args.run_id}'", *extra]
         warning = check_commit(run, args.force)
     except Refused as err:
         print(f"rerun: {err}", file=sys.stderr)
@@ -95,9 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(f"rerun: warning: {warning}", file=sys.stderr)
     cmd = [sys.executable, "-m", "primerl.train", *overrides]
-    print("rerun: " + " ".join(cmd[1:]), flush=True)
+    shown = shlex.join(["primerl", "train", *overrides])
+    print(f"rerun: {shown}", flush=True)
     if args.dry_run:
         return 0
+    writer = None if args.trust else record_writer(run, uri)
+    if writer is not None and not confirm(shown, writer, f"run {args.run_id}'s record"):
+        print(f"rerun: not run: the record was written by {writer} (read it, then --trust)", file=sys.stderr)
+        return 2
     return subprocess.run(cmd).returncode
 
 

@@ -1,7 +1,11 @@
 """`primerl rerun RUN_ID`: the command rebuilt from a run's MLflow record (a real sqlite store): its overrides less
 its directory and masked secrets, its seeds, the rerun tag; another commit is refused unless --force; an unknown
-run is one line. (A real rerun of a trained run, and `compare --rerun-of`: tests/test_rl_e2e.py.)"""
+run is one line. A record is data: planted overrides that Hydra would turn into code, or into a copy of the
+environment, are refused by rerun and by replay before anything runs, and another user's record is not run unasked.
+(The rerun of a trained run: tests/test_rl_e2e.py; `compare --rerun-of`: tests/test_ledger.py.)"""
 
+import getpass
+import os
 import shlex
 import subprocess
 import sys
@@ -24,14 +28,15 @@ RECORDED = [
 ]
 
 
-def _store_with_run(tmp_path, commit: str) -> tuple[str, str]:
+def _store_with_run(tmp_path, commit: str, recorded=RECORDED, user: str | None = None) -> tuple[str, str]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("reverse_text", artifact_location=str(tmp_path / "artifacts"))
     tags = {"git.commit": commit, "git.dirty": "false", "seed": "7", "model.init_seed": "2"}
+    tags["mlflow.user"] = user or getpass.getuser()
     run_id = client.create_run(experiment, tags=tags).info.run_id
     overrides = tmp_path / "overrides.yaml"
-    overrides.write_text(yaml.safe_dump(RECORDED))
+    overrides.write_text(yaml.safe_dump(list(recorded)))
     client.log_artifact(run_id, str(overrides), "config")
     return uri, run_id
 
@@ -54,7 +59,7 @@ def test_the_command_is_rebuilt_from_the_record(tmp_path):
         "trainer.max_steps=3",
         "seed=7",
         "model.init_seed=2",
-        f"+ledger.tags.rerun_of={run_id}",  # shlex takes the quotes off, as a shell would
+        f"+ledger.tags.rerun_of='{run_id}'",  # quoted for Hydra: the id stays a string
         "trainer.max_steps=2",
     ]
     cfg = check(args)
@@ -72,3 +77,72 @@ def test_refusals_are_one_line(tmp_path, case):
         assert forced.returncode == 0 and "rerun: warning: the run ran commit" in forced.stderr
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# what an attacker with write access to a shared store or run directory plants: a Hydra callback that runs a shell
+# command in the driver (Hydra's block list stops os.system, not this), and a tag that copies a secret into the record
+PLANTED = "+hydra.callbacks.x._target_=uuid._get_command_stdout"
+
+
+def _planted(marker) -> list[str]:
+    return [PLANTED, f"+hydra.callbacks.x._args_=[[sh,-c,'touch {marker}']]", "+experiment=reverse_text"]
+
+
+@pytest.mark.parametrize(
+    "override, why",
+    [
+        (PLANTED, "names an object for Hydra to instantiate"),
+        ("+ledger.tags.x=${oc.env:HOME}", "an interpolation"),
+        ("hydra.run.dir=/tmp/x", "a Hydra setting"),
+        ("trainer.no_such=1", "not a setting of primerl's schema"),
+        ("env=../../../tmp/x", "no shipped option"),
+        ("trainer.optim.lr=1e-4,1e-3", "a package or a sweep"),
+        ("launcher.setup=[touch /tmp/x]", "names code to run"),
+        ("+inference.extra_args=[--trust-remote-code]", "names code to run"),
+    ],
+)
+def test_a_record_holds_literal_settings_of_the_schema_only(override, why):
+    from primerl.config.recorded import refusal
+
+    assert why in (refusal(override) or "")
+    assert refusal("+experiment=reverse_text") is None and refusal("env.args.seed=3") is None
+    assert refusal("launcher.setup=[module load cuda]", trusted=True) is None  # the user read it and trusts it
+
+
+def test_planted_code_in_a_record_is_refused_by_rerun_and_replay_before_anything_runs(tmp_path):
+    marker = tmp_path / "ran"
+    here = system_tags()
+    uri, run_id = _store_with_run(tmp_path, here["git.commit"], _planted(marker))
+    result = _rerun(uri, run_id, "--force")
+    assert result.returncode == 2, result.stderr
+    assert f"records an override it may not carry: {PLANTED}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(_planted(marker)))
+    replay = [sys.executable, "-m", "primerl.cli", "replay", str(run), "--steps", "0:1"]
+    result = subprocess.run(replay, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and f"may not carry: {PLANTED}" in result.stderr, result.stderr
+    assert not marker.exists()
+
+
+def test_a_record_another_user_could_write_is_shown_and_not_run_unasked(tmp_path):
+    here = system_tags()
+    force = ["--force"] if here["git.dirty"] != "false" else []
+    uri, run_id = _store_with_run(tmp_path, here["git.commit"], user="mallory")
+    # trainer.max_steps=0 makes the rerun's own command a config error: it ends at once, having run
+    result = _rerun(uri, run_id, *force, "trainer.max_steps=0")
+    assert result.returncode == 2 and "was written by user mallory" in result.stderr, result.stderr
+    assert "it would run:\n  primerl train +experiment=reverse_text" in result.stderr
+    assert "config error" not in result.stderr  # not run
+    trusted = _rerun(uri, run_id, *force, "--trust", "trainer.max_steps=0")
+    assert "primerl: config error: trainer.max_steps" in trusted.stderr  # run, as its user asked
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["+experiment=reverse_text"]))
+    os.chmod(run / ".hydra" / "overrides.yaml", 0o666)  # anyone may have changed it
+    replay = [sys.executable, "-m", "primerl.cli", "replay", str(run)]
+    result = subprocess.run(replay, cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "was written by group or others" in result.stderr, result.stderr
