@@ -118,3 +118,33 @@ def test_verifiers_openai_clients_are_built_on_it():
     http = verifiers_clients.build_async_openai(config)._client
     assert isinstance(http._transport, AiohttpTransport)
     assert http.timeout == httpx.Timeout(**config.timeout.model_dump())
+
+
+def test_an_env_worker_answers_a_malformed_frame_with_an_error_and_keeps_serving(tmp_path):
+    """A `run` frame whose payload is not msgpack gets a failed reply (verifiers' error answer), not silence: the
+    client waits for every request's reply."""
+    import msgpack
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    from primerl.config.cli import check
+    from primerl.envs.verifiers_env import env_config
+    from primerl.envs.worker_process import RolloutsServer
+
+    config = resolve_env_config(env_config(check(["+experiment=reverse_text"]).env))
+    server = RolloutsServer(config, address=f"ipc://{tmp_path}/worker.sock")
+    sent = []
+
+    async def send_multipart(frames, copy=True):
+        sent.append(frames)
+
+    server.frontend.send_multipart = send_multipart
+    try:
+        asyncio.run(server._handle(b"client", b"r1", b"run", b"\xc1 not msgpack"))
+        asyncio.run(server._handle(b"client", b"r2", b"health", msgpack.packb({})))
+    finally:
+        server.frontend.close(linger=0)
+    (_, request, kind, data), (_, health, _, answer) = sent
+    assert (request, kind, health) == (b"r1", b"reply", b"r2")
+    reply = msgpack.unpackb(data, raw=False)
+    assert reply["success"] is False and reply["error"] and msgpack.unpackb(answer, raw=False)["success"] is True
+    assert "r1" not in server._running

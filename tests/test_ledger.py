@@ -446,3 +446,12 @@ def test_the_inference_key_reaches_no_record_and_no_child_command_line(tmp_path,
     assert children == ["seed=1"] and os.environ[API_KEY_ENV] == key
     assert key not in (hydra / "overrides.yaml").read_text()
     assert check([]).inference.api_key == key  # what a child's config resolves to
+
+    # quoted on the command line: the servers get the key itself, and config.yaml (unquoted there) shows it masked
+    quoted = f"inference.api_key='{key}'"
+    cfg, _ = _cfg(tmp_path, "name=secret_test", quoted)
+    cfg.output_dir = str(tmp_path / "out")
+    (hydra / "overrides.yaml").write_text(f"- {quoted}\n")
+    (hydra / "config.yaml").write_text(f"inference:\n  api_key: {key}\n")
+    assert keep_secrets_out([quoted], cfg) == [] and os.environ[API_KEY_ENV] == key
+    assert key not in (hydra / "overrides.yaml").read_text() + (hydra / "config.yaml").read_text()

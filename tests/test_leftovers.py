@@ -176,3 +176,41 @@ def test_processes_sharing_a_cache_entry_take_turns(tmp_path, caplog):
         assert "never said" not in caplog.text
     finally:
         holder.kill()
+
+
+def test_a_published_directory_is_removed_whole_and_a_fork_never_copies_half_of_one(tmp_path, monkeypatch):
+    """Rotation renames a STABLE directory away before deleting it: midway through the deletion (here: cut short)
+    no STABLE directory is left with some of its files, only a temporary the next start clears; a fork copying a
+    checkpoint the parent removes meanwhile is a one-line ConfigError, not a partial checkpoint."""
+    import primerl.transport.atomic as atomic
+    from primerl.launch.fork import _seed_checkpoint
+    from primerl.transport.atomic import STABLE_MARKER, remove_published
+
+    published = tmp_path / "checkpoints" / "step_000001"
+    published.mkdir(parents=True)
+    for name in ("model.safetensors", "trainer_state.json", STABLE_MARKER):
+        (published / name).write_text(name)
+
+    def cut_short(path, ignore_errors=False):
+        assert not published.exists()  # gone from its name before a single file is deleted
+        os.unlink(next(p for p in sorted(path.iterdir()) if p.name == "model.safetensors"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        remove_published(published)
+    monkeypatch.undo()
+    assert not published.exists() and [p.name for p in stale_temporaries(tmp_path)][0].startswith(".primerl-tmp-")
+
+    published.mkdir()
+    (published / STABLE_MARKER).write_text("")
+    link = atomic.os.link
+
+    def removed_meanwhile(source, target):
+        remove_published(published)  # the parent rotates it while the fork links its files
+        link(source, target)
+
+    monkeypatch.setattr("primerl.launch.fork.os.link", removed_meanwhile)
+    with pytest.raises(ConfigError, match="was removed while it was copied"):
+        _seed_checkpoint(published, tmp_path / "fork" / "step_000001", weights_only=False)
+    assert not (tmp_path / "fork" / "step_000001").exists()

@@ -56,7 +56,11 @@ class RolloutsServer(EnvServer):
     """verifiers' `EnvServer` that answers a flagged run request with rollouts (module docstring)."""
 
     async def _handle(self, client_id: bytes, request_id: bytes, method: bytes, payload: bytes) -> None:
-        raw = msgpack.unpackb(payload, raw=False) if method == b"run" else None
+        try:
+            raw = msgpack.unpackb(payload, raw=False) if method == b"run" else None
+        except Exception:  # a malformed frame: verifiers' handler answers it with its error, as any bad request
+            self._running.pop(request_id.decode(errors="replace"), None)
+            raw = None
         if not (isinstance(raw, dict) and raw.get("primerl_rollouts")):
             return await super()._handle(client_id, request_id, method, payload)
         try:

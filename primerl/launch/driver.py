@@ -69,14 +69,14 @@ def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
     key, the run makes one of its own: only its processes can call its servers (a web page in a browser on the
     machine cannot)."""
     overrides, secrets = split_secret_overrides(overrides)
-    key = secrets.get("inference.api_key") or cfg.inference.api_key
+    key = cfg.inference.api_key  # the value as parsed: `inference.api_key='k'` is k, not the quoted text
     if not key:
         key = token_urlsafe(24)
         log.info(f"the inference servers get a key of this run's own ({API_KEY_ENV}, never shown)")
     os.environ[API_KEY_ENV] = key
     hydra_files = Path(cfg.output_dir) / ".hydra"
     for path in hydra_files.glob("*.yaml") if secrets else ():
-        path.write_text(mask_text(path.read_text(), list(secrets.values())))
+        path.write_text(mask_text(path.read_text(), [key, *secrets.values()]))
     return overrides
 
 

@@ -110,9 +110,18 @@ def check_parent(cfg: RunConfig, parent: Path, run_dir: Path) -> int:
 
 
 def _seed_checkpoint(source: Path, target: Path, weights_only: bool) -> None:
+    """The parent's checkpoint, whole: a live parent that rotates it away meanwhile (it disappears whole,
+    primerl.transport.atomic.remove_published) makes this a ConfigError, never a partial copy."""
     with atomic_dir(target, mark_stable=False) as staging:
-        for file in sorted(source.iterdir()):
-            _link_or_copy(file, staging / file.name)
+        try:
+            for file in sorted(source.iterdir()):
+                _link_or_copy(file, staging / file.name)
+        except FileNotFoundError:
+            raise ConfigError(
+                "fork.step",
+                f"{source} was removed while it was copied (the parent runs and keeps its newest "
+                "trainer.keep_checkpoints): fork at a newer step",
+            ) from None
         if weights_only:  # the trainer loads the model alone (primerl.trainer.checkpoint.load_checkpoint)
             state = json.loads((source / CHECKPOINT_STATE_FILE).read_text())
             (staging / CHECKPOINT_STATE_FILE).unlink()

@@ -18,7 +18,6 @@ their stored batches: no trained step is lost, and at most `checkpoint_every` st
 
 import hashlib
 import json
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from primerl.transport.atomic import atomic_dir, latest_stable, shared_staging_path
+from primerl.transport.atomic import atomic_dir, latest_stable, remove_published, shared_staging_path
 from primerl.transport.formats import CHECKPOINT_FORMAT, check_format
 from primerl.transport.run_dir import CHECKPOINT_STATE_FILE, checkpoint_path, checkpoints_root
 from primerl.utils.errors import RunError, writing
@@ -110,7 +109,7 @@ def _write(
             (staging / CHECKPOINT_STATE_FILE).write_text(json.dumps(state, indent=1))
     if is_main:
         for old in sorted(target.parent.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_published(old)
     dist.barrier(group=group)
     return target
 

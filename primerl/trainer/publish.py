@@ -12,7 +12,6 @@ made after the orchestrator wrote its last batch (it answers no more) is withdra
 place stands (primerl.transport.weights.answer_offer), so a withdrawal and a late answer cannot both act.
 """
 
-import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from primerl.trainer.trainer import Trainer
 from primerl.trainer.weights import export_specs, export_stream
-from primerl.transport.atomic import is_stable
+from primerl.transport.atomic import is_stable, remove_published
 from primerl.transport.collective import WeightSender
 from primerl.transport.config import WeightsConfig, WeightTransport
 from primerl.transport.offer import Offer, in_buckets, plan_buckets, publish_offer, read_offer
@@ -78,7 +77,7 @@ class Publisher:
         if is_stable(path) and not is_offer(path):
             return
         if self.trainer.info.is_main:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_published(path)
         dist.barrier()
         self.publish(version, keep=None)  # the next publish drops what is no longer needed
 

@@ -82,7 +82,7 @@ def atomic_dir(
         if target.exists():
             if not replace:
                 return
-            shutil.rmtree(target)
+            remove_published(target)
         try:
             os.rename(staging, target)
         except OSError as err:  # ENOTEMPTY / EEXIST: another writer's rename came first
@@ -143,6 +143,19 @@ def when_disk_has_space(write: Callable[[], None], what: str) -> None:
     )
     if failures:
         log.info(f"{what}: written after {failures} attempt(s) on a full disk")
+
+
+def remove_published(path: str | Path) -> None:
+    """Remove a published directory so that it disappears whole: renamed to a temporary name first (atomic), then
+    deleted. A reader sees it STABLE and complete, or not at all, never a half-deleted one still marked STABLE (a fork
+    copying a live parent's old checkpoint while the parent rotates it). A removal cut short leaves a temporary."""
+    path = Path(path)
+    doomed = path.with_name(f"{TEMPORARY_PREFIX}{path.name}-{os.urandom(4).hex()}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def is_stable(path: str | Path) -> bool:

@@ -15,11 +15,10 @@ reproduce. This module imports no torch: vLLM's workers and the orchestrator imp
 
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 
-from primerl.transport.atomic import STABLE_MARKER, TEMPORARY_PREFIX, latest_stable, write_json
+from primerl.transport.atomic import STABLE_MARKER, TEMPORARY_PREFIX, latest_stable, remove_published, write_json
 from primerl.transport.run_dir import weights_path, weights_root
 
 SERVED_MODEL_NAME = "policy"
@@ -114,4 +113,4 @@ def drop_old_version(run_dir: str | Path, published: int, keep: int) -> None:
     """After publishing `published`, remove the version that fell out of the newest `keep`."""
     old = published - keep
     if old > 0:
-        shutil.rmtree(weights_path(run_dir, old), ignore_errors=True)
+        remove_published(weights_path(run_dir, old))
