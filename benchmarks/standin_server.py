@@ -98,7 +98,8 @@ class Replica:
             await asyncio.sleep(self.latency.load_s)
             self.version, self.loads = int(args[1]), self.loads + 1
             # it holds no weights: it answers with the trainer's fingerprint, as a server that loaded them would
-            answer = json.dumps({"version": self.version, "fingerprint": published_fingerprint(args[0])})
+            fingerprint = published_fingerprint(args[0])
+            answer = json.dumps({"version": self.version, "fingerprint": fingerprint, "expected": fingerprint})
             return web.json_response({"results": [answer]}, headers=self.headers())
         return web.json_response({"error": f"unknown method {method}"}, status=403, headers=self.headers())
 

@@ -33,7 +33,7 @@ from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.collective import WeightSender
 from primerl.transport.offer import plan_buckets, publish_offer, spec_of
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import answer_offer, published_fingerprint, write_fingerprint
+from primerl.transport.weights import answer_offer, published_fingerprint, rendezvous_dir, write_fingerprint
 
 
 def moved(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
@@ -80,7 +80,7 @@ def one_size(hidden: int, rounds: int, bucket_mb: int, root: Path) -> None:
     state = {k: v.to(getattr(torch, cfg.model.dtype)) for k, v in state.items()}
     mb = sum(v.numel() * v.element_size() for v in state.values()) / 2**20
     (spec,) = render_specs(cfg, model_dir, "cpu")
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=120)
+    sender = WeightSender("127.0.0.1", rendezvous_dir(root), "gloo", timeout_s=120)
     found: dict[str, list[dict]] = {"filesystem": [], "collective": []}
 
     async def run() -> None:

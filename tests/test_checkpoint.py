@@ -27,6 +27,7 @@ def test_checkpoint_round_trip_reshards_and_refuses_damage(tmp_path):
     state = verify_checkpoint(ckpt)
     assert state["step"] == 2 and state["world_size"] == 2 and state["metrics"] == {"loss": 1.0}
     assert all(name.endswith(".safetensors") for name in state["files"])  # no pickles
+    assert ckpt.stat().st_mode & 0o777 == 0o700  # the user's alone, as the run directory
     saved = load_file(tmp_path / "saved.safetensors")
     assert any(k.endswith("exp_avg_sq") for k in saved) and any(k.endswith(".step") for k in saved)
     assert saved["optim.model.embed_tokens.weight.step"].item() == 2.0

@@ -27,6 +27,45 @@ TENSORS = {
 }
 
 
+def _listening_sockets() -> set[str]:
+    """The inodes of this process's listening TCP sockets."""
+    import os
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in mine:
+                listening.add(fields[9])
+    return listening
+
+
+def test_the_rendezvous_is_a_file_in_the_runs_private_weights_directory_and_workers_join_no_other(tmp_path):
+    """No port to join: the sender listens on nothing (a TCPStore let any local user list the groups, join one as
+    rank 0 before the trainer and fill its memory); its store is a file in a 0700 directory below the run's weights,
+    and a worker refuses an offer whose store is anywhere else."""
+    from primerl.transport.run_dir import weights_root
+    from primerl.transport.weights import rendezvous_dir, store_refusal
+
+    before = _listening_sockets()
+    sender = WeightSender("127.0.0.1", rendezvous_dir(tmp_path), "gloo", timeout_s=3)
+    assert _listening_sockets() == before
+    offer = sender.offer(1, plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096))
+    store = rendezvous_dir(tmp_path) / f"{sender.id}.store"
+    assert offer.store == str(store) and store.exists() and (store.parent.stat().st_mode & 0o777) == 0o700
+    assert store_refusal(offer.store, weights_root(tmp_path)) is None
+    for elsewhere in ("/tmp/x.store", str(weights_root(tmp_path) / ".." / "x.store")):
+        assert "is not inside the run's weights directory" in store_refusal(elsewhere, weights_root(tmp_path))
+
+
 def test_buckets_hold_one_dtype_and_at_most_their_bound_and_a_larger_tensor_goes_alone():
     specs = [spec_of(name, tensor) for name, tensor in TENSORS.items()]
     buckets = plan_buckets(specs, 4096)
@@ -44,9 +83,14 @@ def test_the_fingerprint_follows_every_tensor_not_their_order():
         changed = {**TENSORS, name: TENSORS[name].clone()}
         changed[name].view(-1)[0] += 1  # the first element: in every sample
         assert fingerprint_of(changed) != same, name
-    big = torch.randn(1 << 16)
-    moved = big + 1e-3  # an update moves every element, so every sample sees it
-    assert fingerprint_of({"w": big}) != fingerprint_of({"w": moved})
+    big = torch.randn(1024, 1024)
+    for changed in (1, 1024 * 1024 - 4096):  # one element; all but a strided sample's 4096 (caught by sampling none)
+        moved = big.clone().view(-1)
+        keep = torch.arange(0, moved.numel(), moved.numel() // 4096)[: moved.numel() - changed]
+        mask = torch.ones(moved.numel(), dtype=torch.bool)
+        mask[keep] = False
+        moved[mask.nonzero()[:changed, 0]] += 1e-3
+        assert fingerprint_of({"w": big}) != fingerprint_of({"w": moved.view(1024, 1024)}), changed
     assert fingerprint_of({"w": big}) != fingerprint_of({"w2": big})  # the name counts
 
 
@@ -83,9 +127,9 @@ def _receive(receiver: WeightReceiver, offer: Offer, group: str, out: dict) -> N
         out[group] = err
 
 
-def test_a_version_sent_to_two_replica_groups_arrives_whole_and_a_group_that_never_joins_is_left_out(caplog):
+def test_a_version_sent_to_two_replica_groups_arrives_whole_and_a_group_that_never_joins_is_left_out(caplog, tmp_path):
     buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=3)
+    sender = WeightSender("127.0.0.1", tmp_path, "gloo", timeout_s=3)
     offer = Offer.from_json(json.loads(json.dumps(sender.offer(3, buckets).to_json())))  # as read from its file
     receivers, out = [WeightReceiver(), WeightReceiver()], {}
     groups = {f"r{i}-{receiver.identity}": 2 for i, receiver in enumerate(receivers)}
@@ -117,9 +161,9 @@ def test_a_version_sent_to_two_replica_groups_arrives_whole_and_a_group_that_nev
     assert all(fingerprint_of(out[name]) == fingerprint_of(TENSORS) for name in groups)
 
 
-def test_a_transfer_that_stalls_fails_on_the_worker_side_in_one_line_naming_the_bucket_and_the_group():
+def test_a_transfer_that_stalls_fails_on_the_worker_side_in_one_line_naming_the_bucket_and_the_group(tmp_path):
     buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=2)
+    sender = WeightSender("127.0.0.1", tmp_path, "gloo", timeout_s=2)
     offer = Offer.from_json(sender.offer(5, buckets).to_json())
     receiver, out = WeightReceiver(), {}
     name = f"r0-{receiver.identity}"

@@ -16,7 +16,9 @@ import pytest
 
 from primerl.metrics import read_metrics
 from primerl.transport.atomic import STABLE_MARKER
+from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.run_dir import rollout_path, weights_path
+from primerl.transport.weights import write_fingerprint
 from primerl.utils.process import free_port
 from tests.conftest import ROOT
 
@@ -62,11 +64,17 @@ def _wait_healthy(port: int, process: subprocess.Popen, timeout_s: float = 300) 
 
 
 def _publish(run, version: int, model_path: str) -> None:
-    """Stand in for the trainer: policy `version` is the start weights again, published the way the trainer does."""
+    """Stand in for the trainer: policy `version` is the start weights again, published the way the trainer does
+    (with their fingerprint, which every load must prove)."""
+    from safetensors.torch import load_file
+
     folder = weights_path(run, version)
     folder.mkdir(parents=True)
+    tensors = {}
     for file in Path(model_path).glob("*.safetensors"):
         shutil.copy(file, folder / file.name)
+        tensors |= load_file(file)
+    write_fingerprint(folder, fingerprint_of(tensors))
     (folder / STABLE_MARKER).touch()
 
 

@@ -505,6 +505,7 @@ def test_an_fp8_kv_cache_serves_within_its_quantisation_error_and_follows_an_in_
             "+experiment=reverse_text",
             "inference.kv_cache_dtype=fp8",
             f"inference.port={free_port()}",
+            f"inference.api_key={API_KEY}",
             f"cache_dir={cache_dir}",
             f"output_dir={tmp_path}",
         ]
@@ -525,7 +526,8 @@ def test_an_fp8_kv_cache_serves_within_its_quantisation_error_and_follows_an_in_
             "token_ids": prompt,
             "sampling_params": {"max_tokens": 16, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
         }
-        choice = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        choice = httpx.post(f"{url}/inference/v1/generate", json=body, headers=auth, timeout=120).json()["choices"][0]
         return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
 
     def error(logprobs, reference) -> float:

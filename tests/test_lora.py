@@ -31,7 +31,7 @@ from primerl.model.tiny import build_tiny_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, is_adapter
+from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, is_adapter, published_fingerprint
 from primerl.utils.process import free_port
 from tests.conftest import run_module
 
@@ -232,7 +232,8 @@ def _load_across_a_long_request(urls: list[str], prompt: list[int], adapter, ver
             assert not long.done()
             clients = [InferenceClient(url) for url in urls]
             try:
-                await asyncio.gather(*(client.load_weights(adapter, version) for client in clients))
+                loads = await asyncio.gather(*(client.load_weights(adapter, version) for client in clients))
+                assert {loaded.fingerprint for loaded in loads} == {published_fingerprint(adapter)}  # proven
             finally:
                 await asyncio.gather(*(client.close() for client in clients))
             return await long

@@ -12,13 +12,20 @@ import time
 import pytest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
-from primerl.orchestrator.inference_client import Loaded
+from primerl.orchestrator.inference_client import Loaded, NotProven
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
 from primerl.orchestrator.watcher import Watcher
 from primerl.transport.atomic import STABLE_MARKER, write_json
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import OFFER_FILE, RECEIVERS_FILE, is_offer, read_json_file, write_fingerprint
+from primerl.transport.weights import (
+    OFFER_FILE,
+    RECEIVERS_FILE,
+    UNPROVEN,
+    is_offer,
+    read_json_file,
+    write_fingerprint,
+)
 from primerl.utils.errors import RunError
 from primerl.utils.liveness import Liveness
 
@@ -38,6 +45,7 @@ class FakeServer:
         self.process = 0  # its workers' process: a restart gives its collective group a new name
         self.groups: list[str] = []  # the groups its collective loads were received in
         self.metrics_reads = 0
+        self.paused = False  # a load that was not proven leaves the server paused until one is
 
     async def health(self) -> bool | None:
         return None if self.hung else await self.healthy()
@@ -67,9 +75,10 @@ class FakeServer:
         if is_offer(path):
             assert group, "an offer is received in a group"
             self.groups.append(group)
-        if self.keeps_old_weights:  # answers, but serves what it served before
-            return Loaded(0.01, fingerprint_of_version(self.served))
-        self.served = version
+        if self.keeps_old_weights:  # its workers find another fingerprint than the trainer's: paused, unproven
+            self.served, self.paused = UNPROVEN, True
+            raise NotProven(f"{self.base_url} serves fingerprint {fingerprint_of_version(0)} after loading v{version}")
+        self.served, self.paused = version, False
         return Loaded(0.01, fingerprint_of_version(version))
 
     async def running_requests(self) -> float | None:
@@ -488,10 +497,10 @@ def test_a_replica_that_keeps_its_old_weights_is_caught_loaded_again_and_taken_o
         assert policy.version == 1 and servers[0].loads == [1]
         assert servers[1].loads[:2] == [1, 1] and watcher.mismatches >= 2  # loaded again once, then taken out
         await asyncio.sleep(0.2)
-        assert replicas.up == [True, False]  # its recovery keeps finding the old weights: it stays out
+        assert replicas.up == [True, False] and servers[1].paused  # its recovery keeps failing the proof: out, paused
         servers[1].keeps_old_weights = False
         await until(lambda: replicas.up == [True, True])
-        assert servers[1].served == 1
+        assert servers[1].served == 1 and not servers[1].paused
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 

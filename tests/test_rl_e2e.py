@@ -124,6 +124,7 @@ def test_ctrl_c_stops_a_run_and_the_same_command_again_runs_end_to_end_to_the_sa
     assert trainer[0]["masked_fraction"] == 0.0
     assert all(rollout_path(again, s).exists() for s in range(3))
     assert is_stable(weights_path(again, 3))
+    assert again.stat().st_mode & 0o777 == 0o700  # the run directory is the user's alone
     assert (again / ".hydra" / "config.yaml").exists()
     assert {"inference.log", "orchestrator.log", "trainer.log"} <= {p.name for p in (again / "logs").iterdir()}
     samples = [json.loads(line) for line in (again / "rollouts" / "samples.jsonl").read_text().splitlines()]

@@ -1,9 +1,9 @@
-"""Weights that reach a real vLLM-CPU server by collective, as the trainer sends them, and the fingerprint that
-proves what it serves: greedy ids and log-probs equal transformers' on the sent weights (the shared `server`; and two
-replicas of the MoE model, two versions in a row); a worker that silently keeps its old weights answers another
-fingerprint than the trainer's; a transfer that stalls fails in one line naming the bucket, leaves the server paused
-(nothing runs on torn weights), and the next offer, in a group of a new name, brings it back with the request it
-froze."""
+"""Weights that reach a real vLLM-CPU server by collective, as the trainer sends them, and the proof of arrival:
+greedy ids and log-probs equal transformers' on the sent weights (the shared `server`; and two replicas of the MoE
+model, two versions in a row); a worker that silently keeps its old weights fails the proof and its server stays
+paused, serving nothing, until a load is proven; an offer whose trainer fingerprint never comes is not proven
+(fail closed); a transfer that stalls fails in one line naming the bucket, leaves the server paused (nothing runs on
+torn weights), and the next offer, in a group of a new name, brings it back with the request it froze."""
 
 import asyncio
 import contextlib
@@ -15,12 +15,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from primerl.orchestrator.inference_client import NotProven
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.collective import WeightSender
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.offer import plan_buckets, publish_offer, spec_of
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import answer_offer, published_fingerprint, write_fingerprint
+from primerl.transport.weights import (
+    UNPROVEN,
+    answer_offer,
+    published_fingerprint,
+    rendezvous_dir,
+    write_fingerprint,
+)
 from tests.served import API_KEY, client_call, client_of, generate, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-server")]
@@ -45,22 +52,28 @@ def offer(run_dir, sender: WeightSender, version: int, tensors: dict[str, torch.
     return made
 
 
-def send(run_dir, sender: WeightSender, made, tensors, groups: dict[str, int], stop_after: int | None = None) -> None:
-    """The trainer's side: send every bucket and publish the fingerprint, or stop after `stop_after` buckets."""
+def send(
+    run_dir, sender: WeightSender, made, tensors, groups: dict[str, int], stop_after: int | None = None, proof=True
+) -> None:
+    """The trainer's side: send every bucket and publish the fingerprint (unless not `proof`), or stop after
+    `stop_after` buckets."""
     if stop_after is None:
-        write_fingerprint(weights_path(run_dir, made.version), sender.transfer(made, groups, iter(tensors.items())))
+        fingerprint = sender.transfer(made, groups, iter(tensors.items()))
+        if proof:
+            write_fingerprint(weights_path(run_dir, made.version), fingerprint)
         return
     cut = itertools.islice(tensors.items(), sum(len(bucket) for bucket in made.buckets[:stop_after]))
     with contextlib.suppress(RuntimeError):  # the offer announced more than it sent: the torn transfer wanted
         sender.transfer(made, groups, cut)
 
 
-async def deliver(srv, sender, made, tensors, stop_after=None):
+async def deliver(srv, sender, made, tensors, stop_after=None, proof=True):
     """What the orchestrator does with an offer (name the group, answer, load) beside the trainer's send."""
     async with client_of(srv) as client:
         group, members = await client.collective_group(0)
         answer_offer(weights_path(srv.run_dir, made.version), made.id, {group: members})
-        sending = threading.Thread(target=send, args=(srv.run_dir, sender, made, tensors, {group: members}, stop_after))
+        args = (srv.run_dir, sender, made, tensors, {group: members}, stop_after, proof)
+        sending = threading.Thread(target=send, args=args)
         sending.start()
         try:
             return group, await client.load_weights(weights_path(srv.run_dir, made.version), made.version, group)
@@ -71,7 +84,7 @@ async def deliver(srv, sender, made, tensors, stop_after=None):
 def test_a_collective_update_serves_the_trainers_weights_and_its_fingerprint_proves_it(server, tmp_path):
     tok = AutoTokenizer.from_pretrained(server.model_dir)
     prompt = tok.encode("<|im_start|>user\nqrs<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=20)
+    sender = WeightSender("127.0.0.1", rendezvous_dir(server.run_dir), "gloo", timeout_s=20)
     tensors = perturbed(server.model_dir, 0.05, seed=20)
     made = offer(server.run_dir, sender, 20, tensors)
     assert len(made.buckets) > 2
@@ -84,20 +97,57 @@ def test_a_collective_update_serves_the_trainers_weights_and_its_fingerprint_pro
     assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-3)
 
 
-def test_a_worker_that_silently_keeps_its_old_weights_answers_another_fingerprint(server):
+def _generate_body(prompt: list[int]) -> dict:
+    return {
+        "model": "policy",
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": 4, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
+    }
+
+
+def test_a_load_that_is_not_proven_keeps_the_server_paused_until_one_is(server):
+    """A worker that takes the tensors but loads none serves the old norms: its fingerprint is not the trainer's, the
+    load raises NotProven, the server stays paused and answers no version (a request sent meanwhile waits), and the
+    next load, proven, resumes it. An offer whose fingerprint the trainer never writes is not proven either."""
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    prompt = tok.encode("<|im_start|>user\nxyz<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     tensors = perturbed(server.model_dir, 0.05, seed=30)
     published = save_hf_checkpoint(tensors, server.model_dir, weights_path(server.run_dir, 30))
     (server.failpoints / "worker.keep_old_weights").touch()  # the next load takes the tensors and loads none
-    kept = client_call(server, "load_weights", published, 30)
-    assert kept.fingerprint != published_fingerprint(published)
-    loaded = client_call(server, "load_weights", published, 30)  # as the watcher does: once more
-    assert loaded.fingerprint == published_fingerprint(published)
+    with pytest.raises(NotProven, match=r"after loading v30, not the trainer's .*: kept paused"):
+        client_call(server, "load_weights", published, 30)
+    assert client_call(server, "policy_version") == UNPROVEN
+
+    async def frozen_until_proven():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            paused = await http.get("/is_paused", headers=auth)
+            request = asyncio.create_task(
+                http.post("/inference/v1/generate", json=_generate_body(prompt), headers=auth)
+            )
+            await asyncio.sleep(1.5)
+            assert not request.done()  # nothing is generated on weights that are not proven
+            async with client_of(server) as client:
+                loaded = await client.load_weights(published, 30)  # as the watcher does: once more
+            return paused, loaded, await asyncio.wait_for(request, 60)
+
+    paused, loaded, answer = asyncio.run(frozen_until_proven())
+    assert paused.json()["is_paused"] is True and answer.status_code == 200
+    assert loaded.fingerprint == published_fingerprint(published) and client_call(server, "policy_version") == 30
+
+    sender = WeightSender("127.0.0.1", rendezvous_dir(server.run_dir), "gloo", timeout_s=1)
+    unproven = perturbed(server.model_dir, 0.05, seed=31)
+    with pytest.raises(NotProven, match=r"not the trainer's \(none written within the transfer timeout\)"):
+        asyncio.run(deliver(server, sender, offer(server.run_dir, sender, 31, unproven), unproven, proof=False))
+    tensors = perturbed(server.model_dir, 0.05, seed=32)
+    _, loaded = asyncio.run(deliver(server, sender, offer(server.run_dir, sender, 32, tensors), tensors))
+    assert loaded.fingerprint == fingerprint_of(tensors) and client_call(server, "policy_version") == 32
 
 
 def test_a_stalled_transfer_fails_in_one_line_keeps_the_server_paused_and_the_next_offer_brings_it_back(server):
     tok = AutoTokenizer.from_pretrained(server.model_dir)
     prompt = tok.encode("<|im_start|>user\ntuv<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=2)
+    sender = WeightSender("127.0.0.1", rendezvous_dir(server.run_dir), "gloo", timeout_s=2)
     torn = perturbed(server.model_dir, 0.05, seed=40)
     made = offer(server.run_dir, sender, 40, torn)
     with pytest.raises(RuntimeError) as failed:
@@ -108,13 +158,12 @@ def test_a_stalled_transfer_fails_in_one_line_keeps_the_server_paused_and_the_ne
     async def frozen_then_served():
         """A request sent now waits (the server stays paused); the next offer resumes it."""
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
-            body = {
-                "model": "policy",
-                "token_ids": prompt,
-                "sampling_params": {"max_tokens": 4, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
-            }
             request = asyncio.create_task(
-                http.post("/inference/v1/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+                http.post(
+                    "/inference/v1/generate",
+                    json=_generate_body(prompt),
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                )
             )
             await asyncio.sleep(2.0)
             assert not request.done()  # paused: nothing is generated on torn weights
@@ -160,7 +209,7 @@ def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_co
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok.encode("<|im_start|>user\nmoe<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in render_specs(cfg, model_dir, "cpu")]
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=30)
+    sender = WeightSender("127.0.0.1", rendezvous_dir(tmp_path), "gloo", timeout_s=30)
 
     async def update(version: int, tensors: dict[str, torch.Tensor]) -> list:
         made = offer(tmp_path, sender, version, tensors)

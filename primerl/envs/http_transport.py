@@ -13,15 +13,21 @@ other transport failure -> `httpx.ReadError`; the SDK then says "Request timed o
 does over httpcore.
 
 verifiers builds the SDK's HTTP client in `clients.base.build_async_httpx` (train client and judges), so that is
-where it goes in, with verifiers' own timeouts and connection limits.
+where it goes in, with verifiers' own timeouts and connection limits. Every new connection of a request that carries
+the run's key (`API_KEY_VAR`) first proves that the run's server is at its other end (primerl.transport.verified).
 """
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import aiohttp
 import httpx
 import verifiers.v1.clients.base as verifiers_clients
+
+from primerl.transport.verified import VerifiedConnector
+
+API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 # Idle connections are reused for at most this long: well under vLLM's (uvicorn's) 5 s keep-alive
 # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). verifiers' limits say 5 s too, and a request sent on a connection the server is
@@ -64,13 +70,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     httpx's business, so aiohttp never follows one.
     """
 
-    def __init__(self, limits: httpx.Limits):
-        self.limits = limits
+    def __init__(self, limits: httpx.Limits, key: str | None = None):
+        self.limits, self.key = limits, key
         self.session: aiohttp.ClientSession | None = None
 
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None or self.session.closed:
-            connector = aiohttp.TCPConnector(
+            connector = VerifiedConnector(
+                self.key,
                 limit=self.limits.max_connections or 0,  # 0: no limit, as httpx's None
                 keepalive_timeout=min(self.limits.keepalive_expiry or KEEPALIVE_S, KEEPALIVE_S),
             )
@@ -113,9 +120,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 def build_aiohttp_client(config) -> httpx.AsyncClient:
     """verifiers' `build_async_httpx`, on the aiohttp transport."""
     limits = verifiers_clients.DEFAULT_LIMITS
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(**config.timeout.model_dump()), limits=limits, transport=AiohttpTransport(limits)
-    )
+    key = os.environ.get(API_KEY_VAR)
+    transport = AiohttpTransport(limits, key if key and key != "EMPTY" else None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()), limits=limits, transport=transport)
 
 
 def use_aiohttp_for_openai_clients() -> None:

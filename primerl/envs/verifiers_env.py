@@ -13,7 +13,7 @@ import verifiers.v1 as vf
 from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
 from primerl.envs.config import EnvConfig
-from primerl.envs.http_transport import use_aiohttp_for_openai_clients
+from primerl.envs.http_transport import API_KEY_VAR, use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_memo import memoize_default_factory_check
 from primerl.envs.tool_renderer import renderer_config, renderer_name
 from primerl.envs.trace_text import final_reply, prompt_text, transcript
@@ -107,9 +107,6 @@ def seeded(ctx: vf.ModelContext, seed: int | None) -> vf.ModelContext:
     if seed is None:
         return ctx
     return dataclasses.replace(ctx, sampling=ctx.sampling.model_copy(update={"seed": seed}))
-
-
-API_KEY_VAR = "PRIMERL_INFERENCE_API_KEY"  # verifiers' train client reads the server's key from this variable
 
 
 def expose_api_key(inf: "InferenceConfig") -> None:

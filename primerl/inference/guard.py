@@ -16,7 +16,8 @@ with a key those admin routes answered anyone who reached the port (seen on a re
    a loopback name (DNS rebinding);
 5. lets `/v1/load_lora_adapter` (LoRA runs) load only a STABLE adapter from below the run's weights directory, as the
    worker extension does for full weights, and answers 404 to `/v1/unload_lora_adapter`;
-6. marks every response with the run's server id (`x-primerl-server`, primerl.transport.identity).
+6. marks every response with the run's server id (`x-primerl-server`), and answers a `/health` that carries an
+   identity challenge with the proof that it holds the run's key (`x-primerl-proof`, primerl.transport.identity).
 """
 
 import hashlib
@@ -24,7 +25,14 @@ import json
 import os
 import secrets
 
-from primerl.transport.identity import SERVER_ID_ENV, SERVER_ID_HEADER
+from primerl.transport.identity import (
+    CHALLENGE_HEADER,
+    PROOF_HEADER,
+    SERVER_ID_ENV,
+    SERVER_ID_HEADER,
+    key_digest,
+    proof,
+)
 from primerl.transport.weights import WEIGHTS_DIR_ENV, weights_dir_refusal
 
 API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
@@ -102,18 +110,24 @@ class InferenceGuard:
     def __init__(self, app):
         self.app = app
         key = os.environ.get(API_KEY_ENV) or None
-        self.key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.key_digest = key_digest(key) if key else None
         identity = os.environ.get(SERVER_ID_ENV)
         self.identity_header = (SERVER_ID_HEADER.encode(), identity.encode()) if identity else None
 
-    def marked(self, send):
-        """`send` with the server id added to the response's headers."""
-        if self.identity_header is None:
+    def marked(self, scope, send):
+        """`send` with the server id added to the response's headers, and the proof of the key when the request
+        carries an identity challenge."""
+        added = [self.identity_header] if self.identity_header else []
+        nonce = dict(scope.get("headers") or []).get(CHALLENGE_HEADER.encode(), b"").decode("latin-1")
+        if nonce and len(nonce) <= 128 and self.key_digest is not None and scope.get("server"):
+            answer = proof(self.key_digest, nonce, scope["server"][1])
+            added.append((PROOF_HEADER.encode(), answer.encode()))
+        if not added:
             return send
 
         async def marked_send(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.identity_header]}
+                message = {**message, "headers": [*message.get("headers", []), *added]}
             await send(message)
 
         return marked_send
@@ -140,7 +154,7 @@ class InferenceGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        send = self.marked(send)
+        send = self.marked(scope, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if not route_allowed(path):
             return await reply(scope, send, 404, "Not Found")

@@ -37,6 +37,7 @@ from primerl.inference.guard import API_KEY_ENV, InferenceGuard
 from primerl.transport.address import read_address
 from primerl.transport.identity import SERVER_ID_ENV
 from primerl.transport.run_dir import pd_kv_store
+from primerl.transport.verified import verified_transport
 from primerl.utils.wait import wait_until
 
 GENERATE_PATHS = ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions")
@@ -60,7 +61,10 @@ class PdRouter:
     def __init__(self, prefill_url: str, decode_url: str, kv_store: str | Path, api_key: str | None = None):
         self.prefill_url, self.decode_url, self.kv_store = prefill_url, decode_url, Path(kv_store)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(headers=headers, timeout=None, limits=httpx.Limits(max_connections=None))
+        # every connection to a backend proves it is the run's server before the key goes over it: a backend's port
+        # is free while its server restarts, and another user may bind it
+        transport = verified_transport(api_key, limits=httpx.Limits(max_connections=None))
+        self.http = httpx.AsyncClient(headers=headers, timeout=None, transport=transport)
         self.prefilling = 0
         self.prefills_done = asyncio.Event()
         self.prefills_done.set()

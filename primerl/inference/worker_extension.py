@@ -7,8 +7,12 @@ rule of primerl.transport.weights.weights_dir_refusal allows (STABLE, below the 
 directory holding a collective offer (primerl.transport.collective) is received from trainer rank 0 instead, in the
 process group the orchestrator names.
 
-A load answers with JSON: the version now served and the fingerprint of the weights loaded
-(primerl.transport.fingerprint), which the orchestrator compares with the trainer's.
+A load proves itself (primerl.transport.fingerprint): the worker fingerprints every byte it loads (reading back from
+the model each tensor it keeps in checkpoint layout) and compares it with the trainer's fingerprint in the version's
+directory (a collective offer's is written once its last bucket left: awaited up to the offer's timeout). It answers
+JSON: the version it now serves and the fingerprint; when the two differ, or the trainer's is missing, it serves no
+known version (`UNPROVEN`) and says so, and the orchestrator keeps the server paused (primerl.orchestrator.
+inference_client). An adapter's proof is its files' tensors, as the server was pointed at them.
 """
 
 import json
@@ -24,7 +28,15 @@ from safetensors import safe_open
 from primerl.transport.collective import WeightReceiver
 from primerl.transport.fingerprint import Fingerprint, tensor_digest
 from primerl.transport.offer import read_offer
-from primerl.transport.weights import WEIGHTS_DIR_ENV, is_adapter, is_offer, weights_dir_refusal
+from primerl.transport.weights import (
+    UNPROVEN,
+    WEIGHTS_DIR_ENV,
+    awaited_fingerprint,
+    is_adapter,
+    is_offer,
+    store_refusal,
+    weights_dir_refusal,
+)
 from primerl.utils.failpoints import failpoint
 
 log = logging.getLogger(__name__)
@@ -68,21 +80,38 @@ class PrimerlWorkerExtension:
     _primerl_receiver: WeightReceiver | None = None
 
     def primerl_load_weights(self, path: str, version: str, group: str = "") -> str:
-        """Load the version in `path` (a collective offer: received in `group`); answers JSON {version,
-        fingerprint}. Failpoints (primerl.utils.failpoints): `worker.keep_old_weights` takes the tensors but loads
-        none (a silent no-op load); `worker.die_mid_transfer` kills this worker once a collective transfer began."""
+        """Load the version in `path` (a collective offer: received in `group`) and prove it; answers JSON {version,
+        fingerprint, expected} (module docstring). Failpoints (primerl.utils.failpoints): `worker.keep_old_weights`
+        takes the tensors but loads none (a silent no-op load); `worker.die_mid_transfer` kills this worker once a
+        collective transfer began."""
         refusal = weights_dir_refusal(path, os.environ.get(WEIGHTS_DIR_ENV))
         if refusal is not None:
             log.warning("primerl: refused to load weights from %s: %s", path, refusal)
             raise PermissionError(f"refused: {refusal}")
         folder = Path(path)
         version_number = int(version)  # a bad version fails here, before any weight is touched
+        self.primerl_policy_version = UNPROVEN  # until this load is proven
         if is_adapter(folder):
             # a LoRA policy: the engine's LoRA manager has loaded the adapter (/v1/load_lora_adapter, which the
-            # guard holds to the same directory rules); the workers record the version it is
+            # guard holds to the same directory rules); the workers prove and record the version it is
+            served = self._primerl_loaded(self._primerl_read(folder), into_model=False)
+        elif is_offer(folder):
+            served = self._primerl_loaded(self._primerl_received(folder, group))
+        else:
+            served = self._primerl_loaded(self._primerl_read(folder))
+        wait_s = 2 * read_offer(folder).timeout_s if is_offer(folder) else 0.0
+        expected = awaited_fingerprint(folder, wait_s)
+        if served == expected:
             self.primerl_policy_version = version_number
-            return json.dumps({"version": version_number, "fingerprint": None})
-        tensors = self._primerl_received(folder, group) if is_offer(folder) else self._primerl_read(folder)
+        else:
+            log.warning(
+                "primerl: v%d not proven: serves fingerprint %s, the trainer's is %s", version_number, served, expected
+            )
+        return json.dumps({"version": self.primerl_policy_version, "fingerprint": served, "expected": expected})
+
+    def _primerl_loaded(self, tensors: Iterator[tuple[str, torch.Tensor]], into_model: bool = True) -> str:
+        """Load `tensors` in place (`into_model` false: an adapter vLLM loaded already, only fingerprinted); the
+        fingerprint of what the model serves now."""
         fingerprint = Fingerprint()
 
         def fingerprinted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -90,7 +119,7 @@ class PrimerlWorkerExtension:
                 fingerprint.add(name, tensor)
                 yield name, tensor
 
-        if failpoint("worker.keep_old_weights"):
+        if not into_model or failpoint("worker.keep_old_weights"):
             for _ in fingerprinted():
                 pass
         else:
@@ -103,9 +132,9 @@ class PrimerlWorkerExtension:
                 raise
             self._primerl_retie_lm_head()
             self._primerl_repack_cpu_experts()
-        self._primerl_served_digests(fingerprint)
-        self.primerl_policy_version = version_number
-        return json.dumps({"version": version_number, "fingerprint": fingerprint.hexdigest()})
+        if into_model:
+            self._primerl_served_digests(fingerprint)
+        return fingerprint.hexdigest()
 
     def _primerl_read(self, folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(folder.glob("*.safetensors"))
@@ -120,6 +149,10 @@ class PrimerlWorkerExtension:
         if not group:
             raise ValueError(f"{folder} is a collective offer: a load of it must name the replica's group")
         offer = read_offer(folder)
+        refusal = store_refusal(offer.store, os.environ.get(WEIGHTS_DIR_ENV))
+        if refusal is not None:
+            log.warning("primerl: refused to join a collective offer: %s", refusal)
+            raise PermissionError(f"refused: {refusal}")
         world = 1 + self.parallel_config.world_size  # type: ignore[attr-defined]
         device = torch.device("cuda", torch.cuda.current_device()) if offer.backend == "nccl" else torch.device("cpu")
         received = self._primerl_receiver_().tensors(offer, group, 1 + self.rank, world, device)  # type: ignore[attr-defined]

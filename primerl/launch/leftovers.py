@@ -28,10 +28,12 @@ log = get_logger("train")
 
 def claim_run_dir(run_dir: Path) -> IO:
     """Take the run directory's driver lock (keep the returned file open for the driver's life), or raise RunError
-    naming the driver that holds it. A directory inside another run's, or around other runs' (the cleanup of
-    leftovers would reach into them), is a ConfigError."""
+    naming the driver that holds it, and make the directory private (0700): its checkpoints, weights, batches and
+    logs are the user's alone (docs/security.md). A directory inside another run's, or around other runs' (the
+    cleanup of leftovers would reach into them), is a ConfigError."""
     refuse_nested(run_dir.resolve())
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o700)
     lock = open(driver_lock_path(run_dir), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -28,7 +28,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from primerl.model.config import LoraConfig
 from primerl.transport.atomic import atomic_dir
-from primerl.transport.weights import ADAPTER_CONFIG_FILE
+from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.weights import ADAPTER_CONFIG_FILE, write_fingerprint
 from primerl.utils.errors import ConfigError
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -108,12 +109,13 @@ def save_adapter(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write the adapter `tensors` (by the model's parameter names) in peft's format at `out_dir`, in `dtype` (the
-    served model's), atomically and STABLE-marked. `replace=False`: a directory already there is kept (another
-    process wrote the same one)."""
+    served model's), with their fingerprint (what a server's load proves), atomically and STABLE-marked.
+    `replace=False`: a directory already there is kept (another process wrote the same one)."""
     saved = {peft_key(name): value.detach().to(dtype).contiguous().cpu() for name, value in tensors.items()}
     with atomic_dir(out_dir, replace=replace) as staging:
         save_file(saved, staging / ADAPTER_FILE, metadata={"format": "pt"})
         peft_config(lora, base).save_pretrained(str(staging))
+        write_fingerprint(staging, fingerprint_of(saved))
     return Path(out_dir)
 
 

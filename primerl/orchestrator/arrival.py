@@ -1,27 +1,20 @@
 """How a policy version gets into the replicas, for the watcher (primerl.orchestrator.watcher): the answer to a
-collective offer, and the proof by fingerprint that a replica serves what the trainer published.
+collective offer, and what follows a load that was not proven.
 
 An offer's answer names the groups of the replicas that will take it; the first answer in place stands
-(primerl.transport.weights.answer_offer), so one the trainer withdrew is taken by nobody. A load's fingerprint that
-differs from the trainer's is logged with both values and, for a version in files, loaded once more (an offer cannot
-be sent twice); still different, the replica goes to the watcher's `fail`.
+(primerl.transport.weights.answer_offer), so one the trainer withdrew is taken by nobody. A load that its workers
+could not prove (their fingerprint is not the trainer's: primerl.inference.worker_extension) left its server paused;
+it is logged with both values and, for a version in files, loaded once more (an offer cannot be sent twice); still
+not proven, the replica goes to the watcher's `fail`, paused, and its recovery loads it anew.
 """
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from primerl.orchestrator.inference_client import InferenceClient, Loaded
+from primerl.orchestrator.inference_client import InferenceClient, Loaded, NotProven
 from primerl.transport.run_dir import weights_path
-from primerl.transport.weights import (
-    OFFER_FILE,
-    RECEIVERS_FILE,
-    answer_offer,
-    is_offer,
-    published_fingerprint,
-    read_json_file,
-)
+from primerl.transport.weights import OFFER_FILE, RECEIVERS_FILE, answer_offer, read_json_file
 from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
@@ -58,44 +51,18 @@ class Arrival:
             log.info("v%d was withdrawn by the trainer (no rollout can use it any more)", version)
         return {index: name for index, (name, _) in groups.items() if name in standing}
 
-    async def expected(self, path: Path) -> str | None:
-        """The trainer's fingerprint of the version at `path`; a sent offer's is written once the last bucket left,
-        so it is waited for (at most `transfer_timeout_s`). None: an adapter, or a directory from before
-        fingerprints."""
-        if not is_offer(path):
-            return published_fingerprint(path)
-        deadline = time.monotonic() + self.transfer_timeout_s
-        while (found := published_fingerprint(path)) is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return found
-
-    async def proven(
-        self,
-        index: int,
-        version: int,
-        loaded: Loaded,
-        expected: str | None,
-        resend: bool,
-        fail: Callable[[int, str], None],
-    ) -> bool:
-        """Whether replica `index` serves the trainer's weights (`expected`) after its load: a mismatch is logged
-        with both values and, for a file, loaded once more; still different, it goes to `fail`."""
-        if expected is None or loaded.fingerprint == expected:
-            return True
+    async def prove_again(
+        self, index: int, version: int, refused: NotProven, resend: bool, fail: Callable[[int, str], None]
+    ) -> Loaded | None:
+        """Replica `index` could not prove its load of `version` (`refused`): a version in files (`resend`) is loaded
+        once more; the load, or None once the replica went to `fail`."""
         self.mismatches += 1
-        client = self.clients[index]
-        log.warning(
-            "inference server %s serves fingerprint %s after loading v%d, not the trainer's %s%s",
-            client.base_url,
-            loaded.fingerprint,
-            version,
-            expected,
-            ": loading it again" if resend else "",
-        )
+        log.warning("%s%s", refused, "; loading it again" if resend else "")
         if resend:
-            again = await client.load_weights(weights_path(self.run_dir, version), version)
-            if again.fingerprint == expected:
-                return True
-            self.mismatches += 1
-        fail(index, f"it serves fingerprint {loaded.fingerprint}, not v{version}'s {expected}")
-        return False
+            try:
+                return await self.clients[index].load_weights(weights_path(self.run_dir, version), version)
+            except NotProven as again:
+                self.mismatches += 1
+                refused = again
+        fail(index, str(refused))
+        return None

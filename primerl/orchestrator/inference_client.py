@@ -8,8 +8,11 @@ All calls are async (httpx) and carry the server's key. A weight update does not
                             collective offer is received in `group`); each answers the fingerprint it serves
     POST /resume            frozen requests continue on the new weights; new requests are scheduled again
 
-A collective load that fails leaves the server paused: its weights may be torn, so nothing is generated on them
-until a later load succeeds (the watcher takes the replica out meanwhile; its frozen requests time out as failures).
+The server resumes only once every worker proved the load (primerl.inference.worker_extension: the fingerprint of
+what it serves equals the trainer's), or, after a load refused before it touched a weight, once every worker still
+answers the version it proved before. A load that fails midway, or is not proven, leaves the server paused: fail
+closed, nothing is generated on weights that may be torn or foreign until a later load is proven (the watcher takes
+the replica out meanwhile; its frozen requests time out as failures).
 
 A LoRA policy (an adapter directory) is loaded between the same pause and resume by `/v1/load_lora_adapter`, in
 place under the served name, and `primerl_load_weights` then records its version in the workers.
@@ -29,7 +32,8 @@ from pathlib import Path
 import httpx
 
 from primerl.transport.identity import served_by
-from primerl.transport.weights import SERVED_MODEL_NAME, is_adapter
+from primerl.transport.verified import verified_transport
+from primerl.transport.weights import SERVED_MODEL_NAME, UNPROVEN, is_adapter
 from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until_async
 
@@ -41,7 +45,11 @@ _RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", r
 @dataclass
 class Loaded:
     seconds: float  # paused, load included
-    fingerprint: str | None  # of the weights the workers serve now (None: an adapter)
+    fingerprint: str  # of the weights the workers serve now, the trainer's
+
+
+class NotProven(RuntimeError):
+    """A load whose workers do not serve the trainer's fingerprint (or found none): the server stays paused."""
 
 
 class InferenceClient:
@@ -55,9 +63,9 @@ class InferenceClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
         # would be written into the closed socket. Admin calls are few; a loopback connect costs ~0.1 ms.
-        self.http = httpx.AsyncClient(
-            base_url=base_url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0)
-        )
+        # every connection proves the run's server is at its other end before the key goes over it
+        transport = verified_transport(api_key, limits=httpx.Limits(max_keepalive_connections=0))
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -124,26 +132,36 @@ class InferenceClient:
         return f"r{replica}-{identities[0]}", len(identities) + 1
 
     async def load_weights(self, path: str | Path, version: int, group: str = "") -> Loaded:
-        """Pause (keeping in-flight requests), load `path` as policy `version` (a collective offer: in `group`),
-        resume."""
+        """Pause (keeping in-flight requests), load `path` as policy `version` (a collective offer: in `group`), and
+        resume once every worker proved it (module docstring); NotProven, or the load's error, with the server
+        left paused."""
         started = time.perf_counter()
         # clear_cache=false: vLLM's default would preempt every running request and recompute its KV after resume
         (await self.http.post("/pause", params={"mode": "keep", "clear_cache": "false"})).raise_for_status()
-        resume = True
         try:
             if is_adapter(path):
                 await self._load_adapter(path)
             answers = [json.loads(a) for a in await self._rpc("primerl_load_weights", str(path), str(version), group)]
-        except BaseException:
-            resume = not group  # a collective load that failed may have torn the weights: stay paused
-            raise
-        finally:
-            if resume:
+        except Exception:
+            # a load refused before it touched a weight (a path outside the run, a bad version) leaves every worker
+            # on its proven version: that one is served again; one that failed midway left them unproven: paused
+            if await self._serves_a_proven_version():
                 (await self.http.post("/resume")).raise_for_status()
-        fingerprints = {answer["fingerprint"] for answer in answers}
-        if len(fingerprints) != 1:
-            raise RuntimeError(f"workers of {self.base_url} serve different weights: {sorted(map(str, fingerprints))}")
-        return Loaded(time.perf_counter() - started, fingerprints.pop())
+            raise
+        wrong = [answer for answer in answers if answer["version"] != version]
+        if wrong:
+            raise NotProven(
+                f"{self.base_url} serves fingerprint {wrong[0]['fingerprint']} after loading v{version}, not the "
+                f"trainer's {wrong[0]['expected'] or '(none written within the transfer timeout)'}: kept paused"
+            )
+        (await self.http.post("/resume")).raise_for_status()
+        return Loaded(time.perf_counter() - started, answers[0]["fingerprint"])
+
+    async def _serves_a_proven_version(self) -> bool:
+        try:
+            return await self.policy_version() != UNPROVEN
+        except (httpx.HTTPError, RuntimeError):
+            return False
 
     async def _load_adapter(self, path: str | Path) -> None:
         body = {"lora_name": SERVED_MODEL_NAME, "lora_path": str(path), "load_inplace": True}

@@ -17,9 +17,10 @@ it (none when every replica serves it already), or the trainer would wait for ev
 the others serve a version sent by collective cannot read that version anywhere: it joins the next offer (its
 recovery waits in `Recovery.joining`) and is marked up once that load succeeded.
 
-Proof of arrival: each load answers the fingerprint the replica serves; one that differs from the trainer's
-(primerl.transport.weights.published_fingerprint) is logged with both, loaded again (a file; an offer cannot be
-sent twice), and taken out if it still differs: its recovery loads it anew.
+Proof of arrival: a replica resumes only after its workers proved the load (the fingerprint of what they serve is
+the trainer's: primerl.inference.worker_extension); one that could not is left paused, logged with both values,
+loaded again (a file; an offer cannot be sent twice), and taken out, still paused, if it still cannot: its recovery
+loads it anew.
 """
 
 import asyncio
@@ -30,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from primerl.orchestrator.arrival import Arrival
+from primerl.orchestrator.inference_client import NotProven
 from primerl.orchestrator.recovery import Recovery
 from primerl.orchestrator.replicas import Replicas
 from primerl.orchestrator.types import Policy
@@ -180,17 +182,19 @@ class Watcher:
             *(self.replicas.clients[i].load_weights(path, version, groups.get(i, "")) for i in targets),
             return_exceptions=True,
         )
-        expected = await self.arrival.expected(path) if targets else None
         loaded = []
         for index, result in zip(targets, results, strict=True):
-            if isinstance(result, BaseException):
+            if isinstance(result, NotProven):
+                result = await self.arrival.prove_again(index, version, result, not groups, self._fail)
+            elif isinstance(result, BaseException):
                 if not groups and (
                     not isinstance(result, (httpx.HTTPError, RuntimeError))
                     or await self.replicas.clients[index].healthy()
                 ):
                     raise result  # a server that is up and refuses the weights: not a fault to wait out
                 self._fail(index, f"the load of v{version} failed ({type(result).__name__}: {result})")
-            elif await self.arrival.proven(index, version, result, expected, not groups, self._fail):
+                continue
+            if result is not None:
                 loaded.append(result)
                 self.recovery.settle(index, took=True)
         if loaded:

@@ -33,6 +33,7 @@ from primerl.transport.weights import (
     is_offer,
     published_fingerprint,
     read_json_file,
+    rendezvous_dir,
     write_fingerprint,
 )
 from primerl.utils.log import get_logger
@@ -43,8 +44,8 @@ log = get_logger("trainer")
 
 
 def sender_host(cfg: WeightsConfig, under_slurm: bool) -> str:
-    """Where trainer rank 0 listens for workers: `weights.host`, else loopback locally and this node's name under
-    SLURM (the workers run on other nodes)."""
+    """The interface trainer rank 0's gloo binds for the transfers: `weights.host`, else loopback locally and this
+    node's name under SLURM (the workers run on other nodes)."""
     return cfg.host or (socket.gethostname() if under_slurm else "127.0.0.1")
 
 
@@ -66,9 +67,9 @@ class Publisher:
         if cfg.transport == WeightTransport.collective and trainer.info.is_main:
             backend = "nccl" if trainer.info.device.type == "cuda" else "gloo"
             host = sender_host(cfg, under_slurm)
-            self.sender = WeightSender(host, cfg.port, backend, cfg.timeout_s)
+            self.sender = WeightSender(host, rendezvous_dir(run_dir), backend, cfg.timeout_s)
             where = "loopback" if is_loopback(host) else host
-            log.info(f"collective weights: listening at {self.sender.address} ({backend}, {where})")
+            log.info(f"collective weights: rendezvous in {self.sender.address} ({backend}, {where})")
 
     def republish(self, version: int) -> None:
         """Collective, at a resume: publish `version` again unless its full weights are there. An offer left by the

@@ -68,7 +68,7 @@ def atomic_dir(
     if shared:
         staging = shared_staging_path(target)
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        staging.mkdir(mode=0o700)  # private, as mkdtemp's are
     else:
         staging = Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{target.name}-", dir=target.parent))
     try:

@@ -2,8 +2,8 @@
 
 The protocol, one version at a time (the version's directory is still the announcement: primerl.transport.weights):
 1. The trainer writes an `Offer` (OFFER_FILE, STABLE-marked): every tensor it will send, in order, cut into
-   `weights.bucket_mb` buckets of one dtype; where its `WeightSender` listens (a TCPStore on trainer rank 0); the
-   backend (gloo on CPU, NCCL on GPU: the same code).
+   `weights.bucket_mb` buckets of one dtype; its `WeightSender`'s rendezvous (a FileStore, below); the backend (gloo
+   on CPU, NCCL on GPU: the same code).
 2. The orchestrator pauses the replicas that will take it and answers with their groups (RECEIVERS_FILE): one
    process group per replica, trainer rank 0 as rank 0 and the replica's workers after it, named by the replica, its
    workers' process and their join count, so a replica that restarted or failed a transfer joins a fresh group.
@@ -17,13 +17,20 @@ NCCL's broadcast across replicas would send them once); the measured latencies a
 
 A join or a bucket that does not complete within `weights.timeout_s` raises `TransferError` on the side that waits,
 one line naming the version, the bucket and the group; that group is dropped on both sides.
+
+The rendezvous is a file, not a port: a torch FileStore at `<run>/weights/.rendezvous/<sender id>.store`, in the run's
+private weights directory (0700), which the workers of the same user reach on the run's filesystem (shared across
+nodes under SLURM; it must support file locks, as NFS and Lustre with flock do). A TCPStore on rank 0 let any local
+user list the groups' keys, join a group as rank 0 before the trainer and fill the store's memory; nobody else can
+open this file. A worker takes a store only from below its run's weights directory. What arrives is proven before it
+is served in any case (primerl.inference.worker_extension).
 """
 
 import datetime
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -70,30 +77,29 @@ def _first_line(err: BaseException) -> str:
 
 
 class WeightSender:
-    """Trainer rank 0's side: the TCPStore workers join through, and one process group per receiving replica."""
+    """Trainer rank 0's side: the FileStore workers join through (in `store_dir`, the run's private weights
+    directory), and one process group per receiving replica. `host`: the interface gloo binds (loopback locally)."""
 
-    def __init__(self, host: str, port: int, backend: str, timeout_s: float):
+    def __init__(self, host: str, store_dir: str | Path, backend: str, timeout_s: float):
         self.host, self.backend, self.timeout_s = host, backend, timeout_s
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # bound by us to `host` alone (torch's own store would listen on every interface)
-        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.store = dist.TCPStore(
-            host,
-            self._listener.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timeout,
-            master_listen_fd=self._listener.fileno(),
-        )
         self.id = uuid.uuid4().hex
+        store_dir = Path(store_dir)
+        store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        store_dir.chmod(0o700)
+        for old in store_dir.glob("*.store"):  # a sender before this one: its trainer is gone (one per run)
+            old.unlink(missing_ok=True)
+        self.store_path = store_dir / f"{self.id}.store"
+        self.store = dist.FileStore(str(self.store_path), -1)
         self.groups: dict[str, dist.ProcessGroup] = {}
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.store.port}"
+        return str(self.store_path)
 
     def offer(self, version: int, buckets: list[list[TensorSpec]]) -> Offer:
-        return Offer(uuid.uuid4().hex, version, self.id, self.address, self.backend, self.timeout_s, buckets)
+        return Offer(
+            uuid.uuid4().hex, version, self.id, str(self.store_path), self.backend, self.timeout_s, buckets, self.host
+        )
 
     def connect(self, version: int, wanted: dict[str, int]) -> None:
         """Keep exactly the groups in `wanted` (name -> members), joining the new ones side by side. A group whose
@@ -160,14 +166,14 @@ class WeightReceiver:
         key = (offer.sender, name)
         if key not in self.groups:
             self.groups = {k: g for k, g in self.groups.items() if k[0] == offer.sender}
-            host, port = offer.store.rsplit(":", 1)
             if offer.store not in self.stores:
-                timeout = datetime.timedelta(seconds=offer.timeout_s)
-                self.stores = {offer.store: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)}
+                self.stores = {offer.store: dist.FileStore(offer.store, -1)}
             try:
                 # twice the limit: the trainer may spend one on another replica's group that never forms
                 waits = 2 * offer.timeout_s
-                self.groups[key] = join_group(self.stores[offer.store], name, rank, world, offer.backend, waits, host)
+                self.groups[key] = join_group(
+                    self.stores[offer.store], name, rank, world, offer.backend, waits, offer.host
+                )
             except RuntimeError as err:
                 self.joins += 1
                 raise TransferError(

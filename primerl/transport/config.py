@@ -20,7 +20,6 @@ class WeightsConfig:
     # collective: joining a replica's group, and each bucket, must finish within this; past it the side that waits
     # fails with one line naming the bucket, and the orchestrator takes that replica out and brings it back
     timeout_s: float = bounded(300.0, gt=0)
-    # collective: where trainer rank 0 listens for the workers to join (0: a free port, announced in each offer);
-    # None: this node's loopback address locally, its host name under SLURM
+    # collective: the interface trainer rank 0's gloo binds for the transfers (the workers join through a file in the
+    # run's weights directory); None: this node's loopback address locally, its host name under SLURM
     host: str | None = None
-    port: int = bounded(0, ge=0, le=65535)

@@ -54,10 +54,11 @@ class Offer:
     id: str  # unique per offer: an answer names the offer it answers
     version: int
     sender: str  # unique per WeightSender (a restarted trainer is another sender)
-    store: str  # host:port of trainer rank 0's TCPStore
+    store: str  # the path of the sender's FileStore, below the run's weights directory
     backend: str  # gloo | nccl
     timeout_s: float
     buckets: list[list[TensorSpec]]
+    host: str = "127.0.0.1"  # the interface the sender's gloo binds: loopback, or its node's name
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -15,6 +15,7 @@ reproduce. This module imports no torch: vLLM's workers and the orchestrator imp
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -28,6 +29,7 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's: marks a directory as an a
 OFFER_FILE = "offer.json"  # marks a version sent by collective: its tensors, buckets and rendezvous
 RECEIVERS_FILE = "receivers.json"  # the orchestrator's answer to an offer: which replica groups take it
 FINGERPRINT_FILE = "fingerprint.json"  # the trainer's fingerprint of the version's weights
+UNPROVEN = -1  # the policy version a worker answers while what it serves is not proven to be any published version
 
 
 def is_adapter(path: str | Path) -> bool:
@@ -71,9 +73,18 @@ def write_fingerprint(version_dir: str | Path, fingerprint: str) -> None:
 
 
 def published_fingerprint(version_dir: str | Path) -> str | None:
-    """The trainer's fingerprint of the version in `version_dir` (None: not written yet, or an adapter)."""
+    """The trainer's fingerprint of the version in `version_dir` (None: not written yet)."""
     found = read_json_file(Path(version_dir) / FINGERPRINT_FILE)
     return None if found is None else str(found["fingerprint"])
+
+
+def awaited_fingerprint(version_dir: str | Path, wait_s: float) -> str | None:
+    """The trainer's fingerprint of the version in `version_dir`, waiting up to `wait_s` for it (a collective offer's
+    is written once its last bucket left); None when it did not come."""
+    deadline = time.monotonic() + wait_s
+    while (found := published_fingerprint(version_dir)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 def latest_stable_version(run_dir: str | Path) -> int | None:
@@ -99,6 +110,20 @@ def weights_dir_refusal(path: str | Path, root: str | Path | None) -> str | None
     escaping = sorted(file.name for file in folder.iterdir() if not inside(file, root))
     if escaping:
         return f"{', '.join(escaping)} in {folder} lead outside the run's weights directory"
+    return None
+
+
+def rendezvous_dir(run_dir: str | Path) -> Path:
+    """Where the trainer's collective rendezvous (a FileStore) lives: inside the run's private weights directory."""
+    return weights_root(run_dir) / ".rendezvous"
+
+
+def store_refusal(store: str | Path, root: str | Path | None) -> str | None:
+    """Why a worker may not join a collective offer's rendezvous file `store`, or None: it must lie below the run's
+    weights directory `root`, where only the run's own user can write (an offer naming a file elsewhere would have the
+    worker create and write it)."""
+    if not root or not inside(store, root):
+        return f"the offer's rendezvous {store} is not inside the run's weights directory ({root})"
     return None
 
 
