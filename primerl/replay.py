@@ -102,7 +102,9 @@ def start_weights(cfg: RunConfig) -> None:
 
 
 def train(run: Path, out: Path, cfg: RunConfig, overrides: list[str], end: int) -> None:
-    overrides = [*overrides, f"trainer.stop_at={end}"]
+    # the files transport whatever the run used: a collective offer would wait for an orchestrator, which a replay has
+    # not (and the math does not depend on how a version travels)
+    overrides = [*overrides, f"trainer.stop_at={end}", "weights.transport=filesystem"]
     threads = trainer_threads(cfg)  # as the local launcher gives them: float sums depend on the thread count
     cmd = module_command("primerl.trainer", overrides, out, cfg.launcher.trainer_tasks_per_node)
     log = log_path(out, "trainer")

@@ -372,3 +372,24 @@ def test_gpu_plan_gives_each_inference_server_and_trainer_rank_its_own_gpu(monke
         with pytest.raises(ConfigError) as err:
             plan(visible, *overrides)
         assert err.value.key == key and fragment in err.value.message, err.value.message
+
+
+def test_a_users_own_config_dir_or_primary_config_gets_the_same_one_line_error(tmp_path):
+    """`--config-dir`, `--config-path` and `--config-name` change where the config comes from; the check before any
+    process starts composes from there too (it was skipped for them: `--cfg job` printed a config the run would
+    refuse, and a user's primary config got Hydra's multi-line error)."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "my_exp.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny\nname: my_exp\norchestrator:\n  batch_size: 30\n"
+    )
+    root = (CONF_DIR / "config.yaml").read_text().split("\nhydra:")[0]  # primerl's defaults list, as a user copies it
+    (tmp_path / "mine.yaml").write_text(root + "\ntrainer:\n  nope: 1\n")
+    for args, expected in (
+        (["--config-dir", str(tmp_path), "+experiment=my_exp", "--cfg", "job"], "orchestrator.batch_size: 30 is not"),
+        ([f"--config-dir={tmp_path}", "--config-name", "mine"], "trainer.nope: Key 'nope' not in 'TrainerConfig'"),
+        # the primary config's directory replaced: primerl's groups are not on the search path, as in Hydra's app
+        (["--config-path", str(tmp_path), "-cn", "mine", "--cfg", "job"], "ledger=mlflow: no such option"),
+    ):
+        result = run_module("primerl.train", *args, timeout=120)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+        assert result.stderr.startswith(f"primerl: config error: {expected}"), result.stderr

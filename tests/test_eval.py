@@ -33,3 +33,24 @@ def test_summary_counts_failures_apart_and_scores_the_rest():
     assert s["avg@2"] == pytest.approx((0.5 + 0.0) / 2)  # each task's first two rollouts
     assert s["pass@2"] == pytest.approx(1 - math.comb(2, 2) / math.comb(4, 2))  # only task a: b had a failure
     assert s["reward/exact"] == pytest.approx(2 / 7) and s["metric/turns"] == pytest.approx((4 + 9) / 7)
+
+
+def test_an_unfinished_collective_run_is_one_line_not_a_server_on_an_empty_offer(tmp_path):
+    """A run with weights.transport=collective holds its versions as offers (no weights) until its last one: an eval
+    of it before it ended is refused before anything starts."""
+    from primerl.config.cli import check
+    from primerl.eval.__main__ import model_to_evaluate
+    from primerl.transport.atomic import atomic_dir
+    from primerl.transport.run_dir import weights_path
+    from primerl.transport.weights import OFFER_FILE
+    from primerl.utils.errors import ConfigError
+
+    with atomic_dir(weights_path(tmp_path, 3)) as staging:
+        (staging / OFFER_FILE).write_text("{}")
+    for step, key in ((None, "eval.run"), (3, "eval.step")):
+        cfg = check(
+            ["+experiment=reverse_text", f"eval.run={tmp_path}", f"eval.step={'null' if step is None else step}"]
+        )
+        with pytest.raises(ConfigError, match="went by collective") as refused:
+            model_to_evaluate(cfg)
+        assert refused.value.key == key

@@ -2,13 +2,16 @@
 per-update cache salt, the key on every route, refusals."""
 
 import asyncio
+import contextlib
 import dataclasses
 import getpass
 import json
 import math
 import os
 import re
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,11 +29,12 @@ from primerl.inference.vllm_args import ServerSpec, check_supported, render_spec
 from primerl.model.resolve import prepare_base_model
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.atomic import atomic_dir
-from primerl.transport.identity import SERVER_ID_HEADER, server_identity
+from primerl.transport.identity import SERVER_ID_HEADER, new_challenge, server_identity
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import SERVED_MODEL_NAME, published_fingerprint
 from primerl.utils.errors import ConfigError
 from primerl.utils.process import free_port
+from primerl.utils.wait import wait_until
 from tests.served import (
     API_KEY,
     client_call,
@@ -544,3 +548,81 @@ def test_an_fp8_kv_cache_serves_within_its_quantisation_error_and_follows_an_in_
         f"fp8 KV cache: max |logprob error| {before:.3f} before and {after:.3f} after the load ({from_old:.2f} from the old)"
     )
     assert 1e-3 < before < 0.5 and after < 0.5 and from_old > 4 * after  # quantised, bounded, and following the update
+
+
+class _DiesAtFirstRequest(VllmServer):
+    """A real process in the server's place that passes readiness and dies at its first request (or its second,
+    `serve_first`): tests.workers.dies_at_first_request."""
+
+    def __init__(self, spec, log, serve_first: bool):
+        super().__init__(spec, log)
+        self.serve_first = serve_first
+
+    def command(self) -> list[str]:
+        args = ["--port", str(self.spec.port), *(["--serve-first"] if self.serve_first else [])]
+        return [sys.executable, "-m", "tests.workers.dies_at_first_request", *args]
+
+
+def test_a_server_that_dies_before_serving_is_restarted_a_bounded_number_of_times_and_the_engine_error_is_quoted(
+    tmp_path, monkeypatch
+):
+    """A server that passes readiness and dies at its first request counts against the restart budget (readiness is
+    no proof of serving): after MAX_RESTARTS the inference process stops with one line quoting the engine's own
+    error, not the leak report after it. One that served before it died is a fault to ride out: restarted again."""
+    from primerl.inference.__main__ import MAX_RESTARTS
+    from primerl.inference.guard import API_KEY_ENV
+    from primerl.transport.identity import SERVER_ID_ENV
+    from tests.workers.dies_at_first_request import ENGINE_ERROR
+
+    monkeypatch.setattr("primerl.inference.__main__.HEALTH_EVERY_S", 0.2)
+    env = {API_KEY_ENV: API_KEY, SERVER_ID_ENV: "run-id", "PYTHONPATH": str(Path(__file__).parents[1])}
+    for serve_first in (False, True):
+        spec = ServerSpec(args=[], env=dict(env), port=free_port())
+        server = _DiesAtFirstRequest(spec, tmp_path / f"server-{serve_first}.log", serve_first).start(timeout_s=60)
+        outcome: list[BaseException] = []
+        thread = threading.Thread(target=_supervise, args=(server, outcome), daemon=True)
+        thread.start()
+        deaths = 0
+        while thread.is_alive() and deaths < MAX_RESTARTS + 2:
+            pid = server.process.pid
+            wait_until(lambda s=server, p=pid: s.process.pid != p or s._health(new_challenge()), "the server")
+            for request in range(1 + serve_first):  # the request that kills it (after one it serves)
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(f"{spec.base_url}/v1/completions", json={}, headers=_auth(), timeout=10)
+                time.sleep(1.0 if request < serve_first else 0)  # the served one is seen (a poll is 0.2 s here)
+            wait_until(lambda s=server, p=pid, t=thread: s.process.pid != p or not t.is_alive(), "a restart", 60)
+            deaths += 1
+        server.stop()
+        if serve_first:
+            assert thread.is_alive() and not outcome  # each start served: restarted every time
+            continue
+        thread.join(timeout=60)
+        (err,) = outcome
+        assert deaths == MAX_RESTARTS and "failed to come back 3 times in a row" in str(err)
+        assert f"{ENGINE_ERROR} (exit code 0)" in str(err) and len(str(err).splitlines()) == 1
+
+
+def _supervise(server, outcome: list) -> None:
+    from primerl.inference.__main__ import keep_serving
+    from primerl.utils.errors import RunError
+
+    try:
+        keep_serving([server], 60, lambda: None)
+    except RunError as err:
+        outcome.append(err)
+
+
+def test_a_model_the_cpu_engine_cannot_run_is_refused_before_anything_starts():
+    from primerl.inference.vllm_args import check_servable
+
+    cfg = check(["+experiment=reverse_text", "model.arch.head_dim=16"])
+    model = prepare_base_model(cfg)
+    with pytest.raises(ConfigError, match=r"model.arch.head_dim: head_dim 16: vLLM-CPU's attention runs head sizes"):
+        check_servable(cfg, model, "cpu")
+    check_servable(cfg, model, "cuda")  # GPU kernels take it
+    ok = check(["+experiment=reverse_text"])
+    check_servable(ok, prepare_base_model(ok), "cpu")
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}

@@ -17,6 +17,7 @@ from primerl.config.cli import check, compose
 from primerl.ledger.follower import MetricsFollower
 from primerl.ledger.mlflow_ledger import Ledger, flatten
 from primerl.metrics import append_metrics
+from primerl.transport.run_dir import ledger_offsets_path
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
 from tests.conftest import run_module, wandb_offline_records
@@ -121,6 +122,9 @@ def test_sampled_rollouts_become_traces_exactly_once(tmp_path):
         f.seek(0, 2)
         f.write("\n" + json.dumps(rows[2]) + "\n")
     MetricsFollower(ledger.run_dir, [ledger], sample_every=2).poll()  # a resumed driver: step 2 once, step 0 not again
+    # a driver killed after the record took the rows but before it saved how far it got sends them again
+    ledger_offsets_path(run_dir).unlink()
+    MetricsFollower(ledger.run_dir, [ledger], sample_every=2).poll()
     client = ledger.client
     traces = client.search_traces(locations=[ledger.experiment_id], run_id=ledger.run_id, order_by=["timestamp_ms ASC"])
     assert [t.info.tags["primerl.step"] for t in traces] == ["0", "2"]

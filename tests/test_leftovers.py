@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +216,37 @@ def test_a_published_directory_is_removed_whole_and_a_fork_never_copies_half_of_
     with pytest.raises(ConfigError, match="was removed while it was copied"):
         _seed_checkpoint(published, tmp_path / "fork" / "step_000001", weights_only=False)
     assert not (tmp_path / "fork" / "step_000001").exists()
+
+
+def test_a_slurm_job_whose_driver_stopped_renewing_its_lease_stops_its_process(tmp_path, monkeypatch):
+    """A job's body (ModuleJob, run here as a plain call) keeps its process while the driver renews the lease, and
+    stops it once the lease lapses (a driver killed with -9 renews nothing)."""
+    from primerl.launch import lease as lease_module
+    from primerl.launch.lease import DriverLease
+    from primerl.launch.slurm_job import ModuleJob
+
+    monkeypatch.setattr(lease_module, "RENEW_S", 0.2)
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parents[1]}:{os.environ.get('PYTHONPATH', '')}")
+    lease = DriverLease(tmp_path)
+    lease.start()
+    job = ModuleJob("trainer", "tests.workers.sleeps", [], str(tmp_path), lease_s=2.0)
+    outcome: list[BaseException] = []
+    thread = threading.Thread(target=lambda: outcome.append(_raised(job)), daemon=True)
+    thread.start()
+    time.sleep(4.0)
+    assert thread.is_alive()  # renewed: the job goes on
+    lease.stop()  # the driver is gone
+    thread.join(timeout=30)
+    (err,) = outcome
+    assert "the driver has not renewed its lease" in str(err) and "launcher.driver_lease_s" in str(err)
+    from primerl.launch import slurm_job
+
+    assert slurm_job._running.poll() is not None  # its process stopped with it
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as err:  # noqa: BLE001 - the test looks at it
+        return err
+    return None

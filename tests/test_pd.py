@@ -12,9 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.pd import cpu_pd_overrides
 from primerl.config.cli import check
-from primerl.inference.pd_router import start_routers
-from primerl.inference.server import VllmServer, start_side_by_side
-from primerl.inference.vllm_args import check_supported, render_specs
+from primerl.inference.vllm_args import check_supported
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
@@ -71,9 +69,12 @@ def _greedy(model_dir, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 
 def test_prefill_and_decode_through_the_router_serve_what_the_model_computes_and_follow_an_update(cache_dir, tmp_path):
-    """A prefill and a decode server behind the router: greedy token ids and log-probs as transformers computes them,
-    the prompt's KV carried from prefill to decode (plain and streamed), and an update that reaches both servers and
-    empties the KV store."""
+    """A prefill and a decode server behind the router, served as `primerl eval` serves a run with
+    `inference.pd.enabled` (primerl.eval's `served_at`): greedy token ids and log-probs as transformers computes them,
+    the prompt's KV carried from prefill to decode (plain and streamed), an update that reaches both servers and
+    empties the KV store, and nothing of the store left once the serving ends."""
+    from primerl.eval.__main__ import served_at
+
     ports = [free_port() for _ in range(3)]
     pd = cpu_pd_overrides(ports)
     common = ["+experiment=reverse_text", "sft.enabled=false", f"cache_dir={cache_dir}", f"output_dir={tmp_path}"]
@@ -82,25 +83,21 @@ def test_prefill_and_decode_through_the_router_serve_what_the_model_computes_and
     with pytest.raises(ConfigError, match="inference.pd.kv_connector"):
         check_supported(check([*common, "inference.pd.enabled=true"]).inference, "cpu")  # NixlConnector: GPUs
     model = prepare_base_model(cfg)
-    servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in render_specs(cfg, model, "cpu")]
     tok = AutoTokenizer.from_pretrained(model)
     prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n")
-    try:
-        start_side_by_side(servers)
-        prefill, decode = servers
-        (router,) = start_routers(cfg.inference, tmp_path, prefill.spec.env)
-        url = f"http://127.0.0.1:{ports[0]}"
+    decode_log = tmp_path / "logs" / f"vllm-{ports[2]}.log"
+    with served_at(cfg, model, "cpu", None) as url:
+        assert url == f"http://127.0.0.1:{ports[0]}"
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 200 and health.headers[SERVER_ID_HEADER] == server_identity(tmp_path)
         ids, logprobs = _generate(url, prompt)
         expected_ids, expected_logprobs = _greedy(model, prompt)
         assert ids == expected_ids and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
         assert any(pd_kv_store(tmp_path, 0).iterdir())  # the prefill server stored the prompt's KV...
-        hits = len(re.findall("External Cache Hit", decode.log_path.read_text()))
-        assert hits == 1  # ...and the decode server loaded it instead of prefilling
+        assert len(re.findall("External Cache Hit", decode_log.read_text())) == 1  # ...and decode loaded it
         chunks = _streamed(url, prompt)
         assert len(chunks) > 1 and "".join(chunks) == _completion(url, prompt)  # streamed and whole through PD
-        assert len(re.findall("External Cache Hit", decode.log_path.read_text())) == 3
+        assert len(re.findall("External Cache Hit", decode_log.read_text())) == 3
 
         state = AutoModelForCausalLM.from_pretrained(model).state_dict()
         torch.manual_seed(1)
@@ -117,18 +114,17 @@ def test_prefill_and_decode_through_the_router_serve_what_the_model_computes_and
         assert not any(pd_kv_store(tmp_path, 0).iterdir())  # the old weights' KV went with the pause
         ids, _ = _generate(url, prompt)
         assert ids == _greedy(new_dir, prompt)[0] != expected_ids
-        router.stop()
-    finally:
-        for server in servers:
-            server.stop()
+        _generate(url, prompt)
+        assert any(pd_kv_store(tmp_path, 0).iterdir())
+    assert not any(pd_kv_store(tmp_path, 0).iterdir())  # an eval has no update: the store goes when serving ends
 
 
 def test_a_short_rl_run_goes_through_two_prefill_decode_pairs(cache_dir, tmp_path):
     """`primerl.train` with `inference.pd.enabled` and two replicas: the inference process starts two prefill/decode
     pairs and a router in front of each at inference.port + i; the orchestrator spreads rollouts over the routers;
     every rollout's KV crosses from its pair's prefill to its decode server; new policies reach all four servers;
-    step 0 trains on the trainer's own log-probs as with one server. `primerl.eval` of its policy with the same
-    settings goes through a prefill/decode pair and its router too."""
+    step 0 trains on the trainer's own log-probs as with one server. (`primerl eval` serves through a pair and its
+    router as the test above does.)"""
     from primerl.metrics import read_metrics
     from tests.conftest import run_module
 
@@ -155,24 +151,5 @@ def test_a_short_rl_run_goes_through_two_prefill_decode_pairs(cache_dir, tmp_pat
     decode_logs = [p.read_text() for p in (run / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text()]
     hits = [text.count("External Cache Hit") for text in decode_logs]
     assert len(hits) == 2 and min(hits) >= 4 and sum(hits) >= 16, hits  # each pair's decode server loaded prompts' KV
-    assert {p.name for p in (run / "pd_kv").iterdir()} == {"0", "1"}  # each pair its own store
-
-    evaluated = tmp_path / "eval"
-    result = run_module(
-        "primerl.eval",
-        "+experiment=reverse_text",
-        *cpu_pd_overrides([0, free_port(), free_port()]),
-        f"eval.run={run}",
-        "eval.num_tasks=8",
-        "eval.samples_per_task=2",
-        "eval.k=2",
-        f"cache_dir={cache_dir}",
-        f"hydra.run.dir={evaluated}",
-        "ledger.enabled=false",
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    summary = json.loads((evaluated / "eval.json").read_text())
-    assert summary["rollouts"] == 16 and summary["failures"] == 0
-    decode_log = next(p for p in (evaluated / "logs").glob("vllm-*.log") if "kv_consumer" in p.read_text())
-    assert decode_log.read_text().count("External Cache Hit") >= 16  # each rollout's prompt KV came from prefill
+    assert {p.name for p in (run / "pd_kv").iterdir()} == {"0", "1"}  # each pair its own store...
+    assert not any(any(store.iterdir()) for store in (run / "pd_kv").iterdir())  # ...emptied when the run ended

@@ -1,10 +1,11 @@
 """Hydra entry points with one-line config errors.
 
 Every process (`primerl.train`, `.sft`, `.inference`, `.orchestrator`, `.trainer`) is a Hydra app made by `hydra_app`.
-Before Hydra runs, the command line is composed once here ("preflight"): a bad key, type, value or group option,
-or a failed cross-field check, prints one line `primerl: config error: KEY: why` and exits 2, with no traceback.
-Sweep overrides (`-m a=1,2`) are checked value by value. A ConfigError raised later, inside the app (checks that
-need the world size, the device or the environment), is reported the same way.
+Before Hydra runs, the command line is composed once here ("preflight"), from where its `--config-dir`,
+`--config-path` and `--config-name` say: a bad key, type, value or group option, or a failed cross-field check,
+prints one line `primerl: config error: KEY: why` and exits 2, with no traceback. Sweep overrides (`-m a=1,2`) are
+checked value by value. Inside the app the config it got is validated again (a sweep's job, a SLURM job), and a
+ConfigError raised later (checks that need the world size, the device or the environment) is reported the same way.
 """
 
 import dataclasses
@@ -28,25 +29,20 @@ from primerl.utils.log import configure_logging, get_logger
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # package data: installed with primerl
 EXIT_CONFIG_ERROR = 2
-# Flags after which Hydra prints help or config and exits, or which change where the config comes from.
-_SKIP_PREFLIGHT = {
-    "--help",
-    "-h",
-    "--hydra-help",
-    "--info",
-    "-i",
-    "--shell-completion",
-    "-sc",
-    "--config-path",
-    "-cp",
-    "--config-name",
-    "-cn",
-    "--config-dir",
-    "-cd",
+# Flags after which Hydra prints help or information and exits.
+_SKIP_PREFLIGHT = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
+# Flags that change where the config comes from: the preflight composes from there too.
+_CONFIG_FLAGS = {
+    "--config-dir": "dir",
+    "-cd": "dir",
+    "--config-path": "path",
+    "-cp": "path",
+    "--config-name": "name",
+    "-cn": "name",
 }
 
 # Hydra flags followed by a value that is not an override (e.g. `--cfg job`).
-_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--experimental-rerun"}
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--experimental-rerun", *_CONFIG_FLAGS}
 
 register_schema()
 
@@ -62,6 +58,39 @@ def overrides_in(argv: list[str]) -> list[str]:
         elif not arg.startswith("-"):
             out.append(arg)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSource:
+    """Where a command line's config comes from: the primary config's directory and name, and a directory added to
+    the search path (`--config-dir`), as Hydra takes them."""
+
+    primary_dir: Path = CONF_DIR
+    name: str = "config"
+    added_dir: Path | None = None
+
+    def initial(self) -> tuple[Path, list[str]]:
+        """The directory to compose from (the one holding the primary config) and the override that puts the other
+        one on the search path, as Hydra's own search path holds both."""
+        dirs = [self.primary_dir, *([self.added_dir] if self.added_dir else [])]
+        primary = next((d for d in dirs if (d / f"{self.name}.yaml").is_file()), self.primary_dir)
+        others = [f"file://{d}" for d in dirs if d != primary]
+        return primary, [f"hydra.searchpath=[{','.join(others)}]"] if others else []
+
+
+def config_source(argv: list[str], config_name: str = "config") -> ConfigSource:
+    """The ConfigSource of a command line's `--config-dir`, `--config-path` and `--config-name` (a relative
+    --config-path is relative to this module's directory, as Hydra resolves it for the app declared here)."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in _CONFIG_FLAGS:
+            found[_CONFIG_FLAGS[flag]] = value if value else (argv[i + 1] if i + 1 < len(argv) else "")
+    primary = Path(found["path"]) if "path" in found else CONF_DIR
+    if not primary.is_absolute():
+        primary = (Path(__file__).parent / primary).resolve()
+    added = Path(found["dir"]).resolve() if "dir" in found else None
+    return ConfigSource(primary, found.get("name", config_name), added)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -100,16 +129,18 @@ def format_config_error(exc: BaseException) -> str:
     return "; ".join(lines[:3]) if lines else type(exc).__name__
 
 
-def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
+def compose(overrides: list[str], config_name: str = "config", source: ConfigSource | None = None) -> DictConfig:
     """Compose the config outside a Hydra app (tests, preflight). `output_dir` is left unresolved."""
+    source = source or ConfigSource(name=config_name)
+    primary, search = source.initial()
     GlobalHydra.instance().clear()
-    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra.compose(config_name=config_name, overrides=overrides)
+    with hydra.initialize_config_dir(config_dir=str(primary), version_base="1.3"):
+        return hydra.compose(config_name=source.name, overrides=[*search, *overrides])
 
 
-def check(overrides: list[str], config_name: str = "config") -> RunConfig:
+def check(overrides: list[str], config_name: str = "config", source: ConfigSource | None = None) -> RunConfig:
     """Compose, type-check and cross-validate; raises on the first problem."""
-    cfg = compose(overrides, config_name)
+    cfg = compose(overrides, config_name, source)
     if OmegaConf.is_interpolation(cfg, "output_dir"):
         cfg.output_dir = "."  # ${hydra:...} only resolves inside a running app
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -145,15 +176,16 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
 
 
 def preflight(argv: list[str], config_name: str = "config") -> None:
-    """Exit 2 with one line on the first config error in this command line."""
+    """Exit 2 with one line on the first config error in this command line (composed from where its flags say)."""
     if any(a.split("=")[0] in _SKIP_PREFLIGHT for a in argv):
         return
     overrides = overrides_in(argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     try:
+        source = config_source(argv, config_name)
         points = _expand_sweeps(overrides) if multirun else [overrides]
         for point in itertools.islice(points, 64):
-            check(point, config_name)
+            check(point, source=source)
     except Exception as exc:  # noqa: BLE001 - every failure here is a config error to report in one line
         print(f"primerl: config error: {format_config_error(exc)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
@@ -179,6 +211,9 @@ def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], o
         def checked(cfg: DictConfig) -> object:
             configure_logging()
             try:
+                # again here, on the config the app got: a sweep's job, a SLURM job, a config the preflight could
+                # not reach all fail in the same one line, before anything starts
+                validate(to_run_config(cfg))
                 return task(cfg)
             except ConfigError as err:  # found at run time (world size, devices, env loading): same one line
                 print(f"primerl: config error: {err}", file=sys.stderr)

@@ -40,7 +40,7 @@ from primerl.model.adapter import adapter_settings
 from primerl.model.config import LoraConfig
 from primerl.transport.atomic import is_stable, write_json
 from primerl.transport.run_dir import eval_summary_path, log_path, scratch_prefix, weights_path
-from primerl.transport.weights import is_adapter, latest_stable_version
+from primerl.transport.weights import is_adapter, is_offer, latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
 from primerl.utils.process import free_port
@@ -66,6 +66,12 @@ def model_to_evaluate(cfg: RunConfig) -> tuple[str, int | None]:
         raise ConfigError("eval.run", f"{e.run} has no published policy (no stable weights/step_*)")
     if not is_stable(weights_path(run, step)):
         raise ConfigError("eval.step", f"{weights_path(run, step)} is not a stable published policy")
+    if is_offer(weights_path(run, step)):
+        raise ConfigError(
+            "eval.step" if e.step is not None else "eval.run",
+            f"policy v{step} of {e.run} went by collective (weights.transport=collective) and holds no weights to "
+            "serve; evaluate the run once it ended (its last version is written as files), or a model directory",
+        )
     return str(weights_path(run, step).resolve()), step
 
 
@@ -107,7 +113,7 @@ def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None)
 def evaluate(cfg: RunConfig, model_path: str) -> dict:
     """Serve `model_path`, run the env's tasks, return the summary (also what `eval.json` holds)."""
     from primerl.envs.verifiers_env import load_env
-    from primerl.inference.vllm_args import check_supported, resolve_device
+    from primerl.inference.vllm_args import check_servable, check_supported, resolve_device
 
     e = cfg.eval
     inf = dataclasses.replace(cfg.inference, port=cfg.inference.port or free_port())
@@ -123,6 +129,7 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
     if is_adapter(model_path):  # a LoRA run's policy: served over the base model it names
         adapter, (model_path, rank) = model_path, adapter_settings(model_path)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=rank)))
+    check_servable(cfg, model_path, device)
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     with served_at(cfg, model_path, device, adapter) as base_url:
         started = time.perf_counter()

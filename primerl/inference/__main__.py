@@ -8,8 +8,9 @@ the decode job's servers and the routers).
 
 A server that exits while serving (a crash, an OOM kill) is started again (the pool policy of primerl.utils.pool);
 the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
-(primerl.orchestrator.watcher). MAX_RESTARTS starts in a row that do not bring it back to serving end this process
-with code 1.
+(primerl.orchestrator.watcher). A start counts as bringing it back only once it has finished a request (vLLM's
+request_success_total), not at readiness: MAX_RESTARTS starts in a row that fail, or that die before serving anything
+(a model the engine loads but cannot run), end this process with code 1 and one line quoting the engine's own error.
 """
 
 import os
@@ -25,9 +26,9 @@ from primerl.config.cli import hydra_app, to_run_config
 from primerl.config.gpus import job_server_env, plan_gpus, visible_gpus
 from primerl.config.schema import RunConfig
 from primerl.inference.config import PdRole, pd_pairs
-from primerl.inference.pd_router import follow_prefill, start_routers
+from primerl.inference.pd_router import PdRouter, follow_prefill, start_routers
 from primerl.inference.server import InferenceStartError, VllmServer, start_side_by_side, stop_side_by_side
-from primerl.inference.vllm_args import ServerSpec, check_supported, render_specs, resolve_device
+from primerl.inference.vllm_args import ServerSpec, check_servable, check_supported, render_specs, resolve_device
 from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.transport.run_dir import log_path, scratch_prefix
 from primerl.utils.errors import ConfigError, RunError
@@ -42,28 +43,38 @@ def keep_serving(servers: list[VllmServer], startup_timeout_s: float, each_poll:
     """Restart each server that exits, until this process is stopped; raises RunError when one cannot come back.
     `each_poll` runs once per poll."""
     budgets = [RestartBudget(f"the vLLM server at {server.base_url}", MAX_RESTARTS) for server in servers]
+    served = [False] * len(servers)  # whether each has finished a request since its last start
     while True:
         each_poll()
-        for server, budget in zip(servers, budgets, strict=True):
-            if server.process.poll() is not None:
-                log.warning(
-                    f"the vLLM server at {server.base_url} exited with code {server.process.returncode}; restarting "
-                    f"it ({budget.failed_in_a_row + 1}/{MAX_RESTARTS}); last lines of its log:\n{server.log_tail(10)}"
-                )
-                restart(server, budget, startup_timeout_s)
+        for index, (server, budget) in enumerate(zip(servers, budgets, strict=True)):
+            if server.process.poll() is None:
+                served[index] = served[index] or server.has_served()
+                continue
+            reason = server.exit_reason()
+            if served[index]:
+                budget.served()  # a crash after serving: a fault to ride out
+            else:
+                budget.failed(f"it died before serving a request: {reason}")
+            when = "after serving" if served[index] else "before serving a request"
+            log.warning(
+                f"the vLLM server at {server.base_url} exited {when} ({reason}); "
+                f"restarting it ({budget.failed_in_a_row + 1}/{MAX_RESTARTS})"
+            )
+            restart(server, budget, startup_timeout_s)
+            served[index] = False
         time.sleep(HEALTH_EVERY_S)
 
 
 def restart(server: VllmServer, budget: RestartBudget, startup_timeout_s: float) -> None:
+    """Start `server` again until it is ready; each start that fails counts against `budget`."""
     while True:
         server.stop()  # what is left of its process group and its temp dir
         try:
             server.start(startup_timeout_s)
         except InferenceStartError as err:
-            budget.failed(str(err).splitlines()[0])
-            log.warning(f"{err}; starting it again ({budget.failed_in_a_row + 1}/{MAX_RESTARTS})")
+            budget.failed(server.exit_reason() if server.process.poll() is not None else str(err).splitlines()[0])
+            log.warning(f"{str(err).splitlines()[0]}; starting it again ({budget.failed_in_a_row + 1}/{MAX_RESTARTS})")
             continue
-        budget.served()
         log.info(f"serving at {server.base_url} again")
         return
 
@@ -74,6 +85,7 @@ def main(dict_cfg: DictConfig) -> None:
     device = resolve_device(cfg.inference)
     check_supported(cfg.inference, device)
     model_path = prepare_start_model(cfg)
+    check_servable(cfg, model_path, device)
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
         raise ConfigError(
             "sft.enabled",
@@ -88,25 +100,30 @@ def main(dict_cfg: DictConfig) -> None:
         name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
         servers.append(VllmServer(spec, log_path(cfg.output_dir, name), scratch_prefix(cfg.output_dir, "vllm")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    routers: list[PdRouter] = []
     try:
         start_side_by_side(servers, cfg.inference.startup_timeout_s)
         for server in servers:
             log.info(f"serving {model_path} at {server.base_url}")
-        keep_serving(servers, cfg.inference.startup_timeout_s, serve_pairs(cfg, servers))
+        routers, follow = serve_pairs(cfg, servers)
+        keep_serving(servers, cfg.inference.startup_timeout_s, follow)
     except (InferenceStartError, RunError) as err:
         log.error(str(err))
         sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the driver's death) must not cut the stop
+        for router in routers:
+            router.stop()  # and its KV store emptied: nothing of it outlives the serving
         stop_side_by_side(servers)
 
 
-def serve_pairs(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:
+def serve_pairs(cfg: RunConfig, servers: list[VllmServer]) -> tuple[list[PdRouter], Callable[[], None]]:
     """With prefill/decode, a router per pair in front of this process's decode servers (none in a SLURM prefill
-    job); returns what keeps them pointed at their prefill servers (a SLURM decode job follows its prefill job)."""
+    job); returns them and what keeps them pointed at their prefill servers (a SLURM decode job follows its prefill
+    job)."""
     inf = cfg.inference
     if not inf.pd.enabled or inf.pd.role == PdRole.prefill:
-        return lambda: None
+        return [], lambda: None
     routers = start_routers(inf, cfg.output_dir, servers[0].spec.env)
     for pair, router in zip(pd_pairs(inf), routers, strict=True):
         log.info(
@@ -114,13 +131,13 @@ def serve_pairs(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]
             f"http://{inf.host}:{pair.router_port}"
         )
     if inf.pd.role == PdRole.both:
-        return lambda: None
+        return routers, lambda: None
 
     def follow() -> None:
         for url in follow_prefill(routers, cfg.output_dir, inf):
             log.warning(f"the prefill job moved: prefilling at {url}")
 
-    return follow
+    return routers, follow
 
 
 def place_on_gpus(cfg: RunConfig, specs: list[ServerSpec], on_slurm: bool) -> None:

@@ -41,6 +41,10 @@ from primerl.transport.verified import verified_transport
 from primerl.utils.wait import wait_until
 
 GENERATE_PATHS = ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions")
+# the store holds every prompt's KV until the next weight update: past this many prompts (an eval's, which has no
+# update) it is emptied between prefills, so it stays bounded (a prompt found missing is prefilled by the decode
+# server itself); and it is emptied when the router stops, so nothing of it outlives the serving
+MAX_STORED_PROMPTS = 4096
 BOTH_PATHS = ("/pause", "/resume", "/collective_rpc", "/is_paused")
 
 
@@ -69,11 +73,13 @@ class PdRouter:
         self.prefills_done = asyncio.Event()
         self.prefills_done.set()
         self.update_over: asyncio.Event | None = None  # set while a weight update is in progress
+        self.generated = 0
         self.server: uvicorn.Server | None = None  # serving it (start_router)
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
+        self.empty_store()
 
     def app(self) -> Starlette:
         routes = [Route(path, self.generate, methods=["POST"]) for path in GENERATE_PATHS]
@@ -87,6 +93,9 @@ class PdRouter:
         path = request.url.path
         while self.update_over is not None:
             await self.update_over.wait()
+        self.generated += 1
+        if self.generated % 64 == 0 and self.prefilling == 0 and self.stored_prompts() > MAX_STORED_PROMPTS:
+            self.empty_store()
         self.prefilling += 1
         self.prefills_done.clear()
         try:
@@ -126,6 +135,9 @@ class PdRouter:
         if path == "/collective_rpc":
             return JSONResponse({"results": prefill.json()["results"] + decode.json()["results"]})
         return answer(decode)
+
+    def stored_prompts(self) -> int:
+        return sum(1 for _ in self.kv_store.iterdir()) if self.kv_store.is_dir() else 0
 
     def empty_store(self) -> None:
         if self.kv_store.is_dir():

@@ -9,6 +9,7 @@ listened on at the start; if the process dies first,
 
 import getpass
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import httpx
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.vllm_args import ServerSpec
 from primerl.transport.identity import CHALLENGE_HEADER, SERVER_ID_ENV, new_challenge, proves, served_by
+from primerl.transport.verified import verified_sync_transport
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import NESTED_GRACE_S, port_taken, stop_process_groups
 from primerl.utils.wait import WaitTimeout, wait_until
@@ -27,6 +29,21 @@ from primerl.utils.wait import WaitTimeout, wait_until
 
 class InferenceStartError(RuntimeError):
     pass
+
+
+_SUCCESSES = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+# an exception's last line, as Python prints it ("RuntimeError: ..."), wherever a log prefix puts it
+_ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
+
+
+def engine_error(log_text: str) -> str | None:
+    """The last exception line of a vLLM log ("RuntimeError: Unsupported CPU attention configuration: ..."), not the
+    reports that follow a dying process (nanobind's leak lists, warnings); None when there is none."""
+    for line in reversed(log_text.splitlines()):
+        found = _ERROR_LINE.search(line)
+        if found and not line.lstrip().startswith(("nanobind", "-")):
+            return f"{found.group(1)}: {found.group(2).strip()}"[:400]
+    return None
 
 
 def port_in_use(host: str, port: int) -> str:
@@ -55,6 +72,27 @@ class VllmServer:
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
+
+    def has_served(self) -> bool:
+        """Whether this server has finished a request since it started (vLLM's request_success_total)."""
+        key = self.spec.env.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            with httpx.Client(transport=verified_sync_transport(key), timeout=5.0) as client:
+                answer = client.get(f"{self.base_url}/metrics", headers=headers)
+        except httpx.HTTPError:
+            return False
+        return answer.status_code == 200 and sum(float(v) for v in _SUCCESSES.findall(answer.text)) > 0
+
+    def exit_reason(self) -> str:
+        """Why the server's process ended, for one line: the engine's own error, else its exit code."""
+        code = self.process.returncode if self.process is not None else None
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        found = engine_error(text)
+        return f"{found} (exit code {code})" if found else f"exit code {code}, no error in {self.log_path}"
+
     def start(self, timeout_s: float = 600.0) -> "VllmServer":
         self.spawn()
         return self.wait_ready(timeout_s)
@@ -67,7 +105,7 @@ class VllmServer:
             raise InferenceStartError(port_in_use(self.spec.host, self.spec.port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
+        cmd = self.command()
         # vLLM leaves its ZMQ sockets and dist-init files in the temp dir; a private one goes with the server.
         # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it: its
         # precompiled headers (~150 MB on CPU) always go under the temp dir, so the private one links there.

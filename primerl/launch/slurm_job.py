@@ -17,17 +17,21 @@ Invariants:
   no torchrun inside a job.
 - SLURM signals a job `launcher.signal_delay_s` before its time limit, or on preemption: the job stops its process
   and requeues itself (submitit's Checkpointable). The processes resume from their last checkpoint and batch.
+- A job whose driver has not renewed its lease for `launcher.driver_lease_s` (a driver killed with -9) stops its
+  process and ends (primerl.launch.lease).
 """
 
 import os
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import submitit
 
 from primerl.launch.children import child_env, log_tail, module_command
+from primerl.launch.lease import lease_lapsed_s
 from primerl.transport.address import read_address, write_address
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.process import free_port
@@ -54,6 +58,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
     pd_role: str = ""  # with prefill/decode: "prefill" or "decode", the side of its pairs this inference job serves
     prefill_job_id: str = ""  # decode: the prefill job of its pairs, whose address it waits for
     wait_s: float = 600.0
+    lease_s: float = 300.0  # launcher.driver_lease_s
 
     def __call__(self) -> None:
         global _running
@@ -71,7 +76,20 @@ class ModuleJob(submitit.helpers.Checkpointable):
                 module_command(self.module, overrides, run_dir), stdout=out, stderr=subprocess.STDOUT, env=env
             )
         # polled, not wait()ed: `checkpoint` runs as a signal handler and must be able to wait for the process itself
-        wait_until(lambda: _running.poll() is not None, f"{self.name} to exit", poll_s=1.0)
+        started, lapsed = time.time(), None
+
+        def over() -> bool:
+            nonlocal lapsed
+            lapsed = lease_lapsed_s(self.run_dir, self.lease_s, started)
+            return _running.poll() is not None or lapsed is not None
+
+        wait_until(over, f"{self.name} to exit", poll_s=1.0)
+        if lapsed is not None and _running.poll() is None:
+            _stop(_running)
+            raise RuntimeError(
+                f"{self.name}: the driver has not renewed its lease ({self.run_dir}/driver.lease) for {lapsed:.0f}s "
+                "(launcher.driver_lease_s): it is gone, so this job stops; rerun the command to resume the run"
+            )
         if (code := _running.returncode) != 0:
             raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
 
@@ -116,12 +134,16 @@ class ModuleJob(submitit.helpers.Checkpointable):
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """Time limit near, or preempted: stop the process (it checkpoints every step) and requeue this job."""
         if _running is not None and _running.poll() is None:
-            _running.terminate()
-            try:
-                _running.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _running.kill()
+            _stop(_running)
         return submitit.helpers.DelayedSubmission(self)
+
+
+def _stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def _job_id() -> str:

@@ -21,8 +21,9 @@ class Tracker(Protocol):
         self, step: int, values: dict[str, float | None], prefix: str = "", timestamp_ms: int | None = None
     ) -> None: ...
 
-    def log_sample(self, row: dict) -> None:
-        """One sampled rollout (a row of rollouts/samples.jsonl)."""
+    def log_sample(self, row: dict, key: str) -> None:
+        """One sampled rollout (a row of rollouts/samples.jsonl); `key` names the row for good (its byte offset in
+        the file), so a record that took it already before a crash can skip it."""
 
 
 class MetricsFollower:
@@ -30,7 +31,9 @@ class MetricsFollower:
     rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`).
 
     The byte offsets already forwarded are kept in `<run>/ledger_offsets.json` (replaced atomically, after every
-    sample): a resumed run forwards each line exactly once.
+    sample): a resumed run forwards each line exactly once. A driver killed between a record taking a line and the
+    offset's save sends that line again: a metrics row is then the same (key, step, timestamp, value), which MLflow
+    keeps once; a sample carries its offset as its key, and a record that holds it already skips it.
     """
 
     SAMPLES = "samples"
@@ -76,7 +79,7 @@ class MetricsFollower:
         for row, offset in self._new_rows(self.SAMPLES, samples_path(self.run_dir)):
             if row.get("step", 0) % self.sample_every == 0:
                 for tracker in self.trackers:
-                    tracker.log_sample(row)
+                    tracker.log_sample(row, str(self.offsets[self.SAMPLES]))
             self.offsets[self.SAMPLES] = offset
             self._save_offsets()
 

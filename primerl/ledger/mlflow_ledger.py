@@ -213,11 +213,12 @@ class Ledger:
         for i in range(0, len(metrics), 500):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 500])
 
-    def log_sample(self, row: dict) -> None:
-        """One sampled rollout as an MLflow trace of this run (primerl.ledger.mlflow_traces)."""
+    def log_sample(self, row: dict, key: str) -> None:
+        """One sampled rollout as an MLflow trace of this run (primerl.ledger.mlflow_traces), unless the run holds
+        the one of `key` already."""
         from primerl.ledger.mlflow_traces import log_rollout_trace
 
-        log_rollout_trace(self.client, self.run_id, self.experiment_id, row)
+        log_rollout_trace(self.client, self.run_id, self.experiment_id, row, key)
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params are write-once in MLflow: keys this run already has are left as they are (a resumed run logs the

@@ -26,12 +26,22 @@ def _ns(seconds: float | None) -> int | None:
     return int(seconds * 1e9) if seconds else None
 
 
-def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict) -> str:
-    """Store one sampled rollout (a samples.jsonl row) as a trace of run `run_id`; returns its trace id."""
+SAMPLE_KEY_TAG = "primerl.sample"  # the row's key (its offset in samples.jsonl): a row's trace is stored once
+
+
+def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict, key: str) -> str:
+    """Store one sampled rollout (a samples.jsonl row) as a trace of run `run_id`, tagged with `key`, unless the run
+    has the trace of `key` already (a driver killed after storing it, before saving its progress); returns the trace
+    id. (A trace is stored whole when it ends: one cut short by a kill leaves nothing to find.)"""
+    stored = client.search_traces(
+        locations=[experiment_id], run_id=run_id, filter_string=f"tag.`{SAMPLE_KEY_TAG}` = '{key}'"
+    )
+    if stored:
+        return stored[0].info.trace_id
     previous = os.environ.get(TRACKING_URI_ENV)
     mlflow.set_tracking_uri(client.tracking_uri)
     try:
-        return _log_trace(client, run_id, experiment_id, row)
+        return _log_trace(client, run_id, experiment_id, row, key)
     finally:  # MLflow also exports the URI to the environment, where it would reach later runs of this process
         if previous is None:
             os.environ.pop(TRACKING_URI_ENV, None)
@@ -39,7 +49,7 @@ def log_rollout_trace(client: MlflowClient, run_id: str, experiment_id: str, row
             os.environ[TRACKING_URI_ENV] = previous
 
 
-def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict) -> str:
+def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict, key: str) -> str:
     messages = row.get("messages") or []
     first_version, last_version = (row.get("policy_versions") or [None, None])[:2]
     starts = [m["start"] for m in messages if m.get("start")] + [m["end"] for m in messages if m.get("end")]
@@ -61,7 +71,7 @@ def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict)
         inputs={"prompt": row.get("prompt", "")},  # the UI's Request column; the task is an attribute and a tag
         attributes=attributes,
         start_time_ns=_ns(begin),
-        tags={"primerl.step": str(row["step"]), "primerl.task": str(row.get("task", ""))},
+        tags={"primerl.step": str(row["step"]), "primerl.task": str(row.get("task", "")), SAMPLE_KEY_TAG: key},
     )
     since_reply: list[dict] = []
     previous_end = begin

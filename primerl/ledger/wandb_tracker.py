@@ -64,7 +64,8 @@ class WandbTracker:
             self._axes.add(axis)
         self.run.log({axis: step, **{f"{prefix}{k}": v for k, v in values.items() if v is not None}})
 
-    def log_sample(self, row: dict) -> None:
+    def log_sample(self, row: dict, key: str) -> None:
+        """The row joins the table this process logs again as it grows (`key`: W&B keeps no per-row identity)."""
         import wandb
 
         columns = (row.get("step"), row.get("task", ""), row.get("prompt", ""), row.get("completion", ""))

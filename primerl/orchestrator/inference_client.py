@@ -33,7 +33,7 @@ import httpx
 
 from primerl.transport.identity import served_by
 from primerl.transport.verified import verified_transport
-from primerl.transport.weights import SERVED_MODEL_NAME, UNPROVEN, is_adapter
+from primerl.transport.weights import SERVED_MODEL_NAME, UNPROVEN, is_adapter, load_deadline_s
 from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until_async
 
@@ -58,7 +58,7 @@ class InferenceClient:
     def __init__(
         self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0, server_id: str | None = None
     ):
-        self.base_url, self.server_id = base_url, server_id
+        self.base_url, self.server_id, self.timeout_s = base_url, server_id, timeout_s
         self._foreign_seen = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
@@ -113,8 +113,9 @@ class InferenceClient:
         what = f"inference server {self.base_url} to be healthy (inference.startup_timeout_s)"
         await wait_until_async(ready, what, timeout_s, poll_s=0.5, max_poll_s=1.0)
 
-    async def _rpc(self, method: str, *args: str) -> list[str]:
-        r = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+    async def _rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list[str]:
+        body = {"method": method, "args": list(args)}
+        r = await self.http.post("/collective_rpc", json=body, timeout=timeout_s or self.timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"{method} failed on {self.base_url} ({r.status_code}): {r.text[:500]}")
         return [str(x) for x in r.json()["results"]]
@@ -141,7 +142,9 @@ class InferenceClient:
         try:
             if is_adapter(path):
                 await self._load_adapter(path)
-            answers = [json.loads(a) for a in await self._rpc("primerl_load_weights", str(path), str(version), group)]
+            deadline = load_deadline_s(path, self.timeout_s)  # a collective transfer may outlast the default
+            rpc = self._rpc("primerl_load_weights", str(path), str(version), group, timeout_s=deadline)
+            answers = [json.loads(a) for a in await rpc]
         except Exception:
             # a load refused before it touched a weight (a path outside the run, a bad version) leaves every worker
             # on its proven version: that one is served again; one that failed midway left them unproven: paused

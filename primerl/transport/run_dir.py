@@ -20,6 +20,7 @@
   ledger_offsets.json            how far the ledger has forwarded each metrics file and the samples
   reward.png                     the reward curve (and online evals), drawn at the end of the run
   driver.lock                    held by the one driver (primerl.train) of this directory
+  driver.lease                   SLURM: renewed by the driver while it lives; its jobs stop when it is not (launch.lease)
   eval.json                      primerl.eval's summary (in its own output directory)
 """
 
@@ -118,6 +119,10 @@ def reward_plot_path(run_dir: str | Path) -> Path:
 
 def driver_lock_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "driver.lock"
+
+
+def driver_lease_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "driver.lease"
 
 
 def eval_summary_path(output_dir: str | Path) -> Path:

@@ -23,21 +23,39 @@ from primerl.transport.identity import ChallengeAnswer, NotOurServer, challenge_
 CHALLENGE_TIMEOUT_S = 10.0  # a loaded server answers /health in well under a second
 
 
+def _verify(stream, key: str, host: str, port: int) -> None:
+    """The identity challenge over a new synchronous httpcore stream; raises httpcore.ConnectError, stream closed."""
+    nonce, answer = new_challenge(), ChallengeAnswer()
+    try:
+        stream.write(challenge_request(host, port, nonce), timeout=CHALLENGE_TIMEOUT_S)
+        while not answer.feed(stream.read(65536, timeout=CHALLENGE_TIMEOUT_S)):
+            pass
+        answer.check(key, nonce, port, f"http://{host}:{port}")
+    except (NotOurServer, httpcore.NetworkError, httpcore.TimeoutException) as err:
+        stream.close()
+        raise httpcore.ConnectError(str(err)) from err
+
+
+async def _verify_async(stream, key: str, host: str, port: int) -> None:
+    """`_verify` over an asynchronous stream."""
+    nonce, answer = new_challenge(), ChallengeAnswer()
+    try:
+        await stream.write(challenge_request(host, port, nonce), timeout=CHALLENGE_TIMEOUT_S)
+        while not answer.feed(await stream.read(65536, timeout=CHALLENGE_TIMEOUT_S)):
+            pass
+        answer.check(key, nonce, port, f"http://{host}:{port}")
+    except (NotOurServer, httpcore.NetworkError, httpcore.TimeoutException) as err:
+        await stream.aclose()
+        raise httpcore.ConnectError(str(err)) from err
+
+
 class _VerifiedBackend(httpcore.AsyncNetworkBackend):
     def __init__(self, key: str, inner: httpcore.AsyncNetworkBackend):
         self.key, self.inner = key, inner
 
     async def connect_tcp(self, host: str, port: int, timeout=None, local_address=None, socket_options=None):
         stream = await self.inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        nonce, answer = new_challenge(), ChallengeAnswer()
-        try:
-            await stream.write(challenge_request(host, port, nonce), timeout=CHALLENGE_TIMEOUT_S)
-            while not answer.feed(await stream.read(65536, timeout=CHALLENGE_TIMEOUT_S)):
-                pass
-            answer.check(self.key, nonce, port, f"http://{host}:{port}")
-        except (NotOurServer, httpcore.NetworkError, httpcore.TimeoutException) as err:
-            await stream.aclose()
-            raise httpcore.ConnectError(str(err)) from err
+        await _verify_async(stream, self.key, host, port)
         return stream
 
     async def connect_unix_socket(self, path: str, timeout=None, socket_options=None):
@@ -47,12 +65,37 @@ class _VerifiedBackend(httpcore.AsyncNetworkBackend):
         await self.inner.sleep(seconds)
 
 
+class _VerifiedSyncBackend(httpcore.NetworkBackend):
+    def __init__(self, key: str, inner: httpcore.NetworkBackend):
+        self.key, self.inner = key, inner
+
+    def connect_tcp(self, host: str, port: int, timeout=None, local_address=None, socket_options=None):
+        stream = self.inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        _verify(stream, self.key, host, port)
+        return stream
+
+    def connect_unix_socket(self, path: str, timeout=None, socket_options=None):
+        return self.inner.connect_unix_socket(path, timeout, socket_options)
+
+    def sleep(self, seconds: float) -> None:
+        self.inner.sleep(seconds)
+
+
 def verified_transport(key: str | None, **kwargs: Any) -> httpx.AsyncHTTPTransport:
     """An httpx transport whose every new connection proves the run's server holds `key` first (no key: plain)."""
     transport = httpx.AsyncHTTPTransport(**kwargs)
     if key:
         pool = transport._pool  # httpx builds its pool with the default backend and offers no argument for another
         pool._network_backend = _VerifiedBackend(key, pool._network_backend)
+    return transport
+
+
+def verified_sync_transport(key: str | None, **kwargs: Any) -> httpx.HTTPTransport:
+    """`verified_transport` for a synchronous httpx client."""
+    transport = httpx.HTTPTransport(**kwargs)
+    if key:
+        pool = transport._pool
+        pool._network_backend = _VerifiedSyncBackend(key, pool._network_backend)
     return transport
 
 

@@ -78,6 +78,16 @@ def published_fingerprint(version_dir: str | Path) -> str | None:
     return None if found is None else str(found["fingerprint"])
 
 
+def load_deadline_s(version_dir: str | Path, default_s: float) -> float:
+    """How long a load of the version in `version_dir` may take: for a collective offer, its own limits (a worker may
+    wait 2 x its timeout_s to join, for each bucket, and for the trainer's fingerprint), never less than `default_s`;
+    for files, `default_s`."""
+    offer = read_json_file(Path(version_dir) / OFFER_FILE)
+    if offer is None:
+        return default_s
+    return max(default_s, 2 * float(offer["timeout_s"]) * (len(offer["buckets"]) + 2) + 30)
+
+
 def awaited_fingerprint(version_dir: str | Path, wait_s: float) -> str | None:
     """The trainer's fingerprint of the version in `version_dir`, waiting up to `wait_s` for it (a collective offer's
     is written once its last bucket left); None when it did not come."""

@@ -1,0 +1,72 @@
+"""A stand-in for a vLLM server whose engine cannot run its model: it passes readiness (the run's id and, with a key,
+the proof of it: primerl.transport.identity) and dies at its first generate request, logging the engine's error
+first, then a leak report, and exiting 0, as vLLM-CPU does with an unsupported head size. With `--serve-first` it
+answers that request (vLLM's request_success_total counts it) and dies at the second.
+
+    python -m tests.workers.dies_at_first_request --port P [--serve-first]   (key and id from the environment)
+"""
+
+import argparse
+import http.server
+import os
+import sys
+
+from primerl.inference.guard import API_KEY_ENV
+from primerl.transport.identity import (
+    CHALLENGE_HEADER,
+    PROOF_HEADER,
+    SERVER_ID_ENV,
+    SERVER_ID_HEADER,
+    key_digest,
+    proof,
+)
+
+ENGINE_ERROR = "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--serve-first", action="store_true")
+    args, _ = parser.parse_known_args()
+    key, served = os.environ.get(API_KEY_ENV), [0]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header(SERVER_ID_HEADER, os.environ.get(SERVER_ID_ENV, ""))
+            nonce = self.headers.get(CHALLENGE_HEADER)
+            if nonce and key:
+                self.send_header(PROOF_HEADER, proof(key_digest(key), nonce, args.port))
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            metrics = f'vllm:request_success_total{{model_name="policy"}} {served[0]}\n'
+            self.answer(metrics.encode() if self.path == "/metrics" else b"")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            if args.serve_first and not served[0]:
+                served[0] += 1
+                self.answer(b"{}")
+                return
+            print("(EngineCore pid=1) ERROR EngineCore encountered a fatal error.", flush=True)
+            print("Traceback (most recent call last):", flush=True)
+            print(ENGINE_ERROR, flush=True)
+            print("nanobind: leaked 4 instances!", flush=True)
+            print(' - leaked instance 0x7f of type "triton._C.libtriton.ir.attribute"', flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
