@@ -87,7 +87,7 @@ def scores_gap(trainer, row: torch.Tensor) -> float:
 
 
 def run_item(model_dir: Path, params: int, seq: int, checkpointing: bool, args, info) -> dict:
-    from primerl.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from primerl.config.trainer import LossConfig, OptimConfig, TrainerConfig
     from primerl.trainer.loss import policy_loss
     from primerl.trainer.trainer import Trainer
 

@@ -24,14 +24,14 @@ from pathlib import Path
 import aiohttp
 from primerl_reverse_text.texts import make_texts, prompt_messages
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.config.schema import RunConfig
 from primerl.envs.types import Rollout
 from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer
 from primerl.inference.vllm_args import render_specs
+from primerl.launch.start import prepare_start_model
 from primerl.model.resolve import prepare_base_model
-from primerl.model.start import prepare_start_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.run_dir import weights_path

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import httpx
 
-from primerl.config.cli import check
+from primerl.app import check
+from primerl.launch.start import prepare_start_model
 from primerl.metrics import ORCHESTRATOR, TRAINER, read_metrics
 from primerl.metrics import OrchestratorMetric as M
-from primerl.model.start import prepare_start_model
 from primerl.utils.process import free_port, stop_process_groups
 
 ASYNC_LEVEL = 1

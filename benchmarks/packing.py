@@ -17,10 +17,10 @@ import torch
 from primerl_reverse_text.texts import make_texts, prompt_messages
 from transformers import AutoModelForCausalLM
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
+from primerl.config.trainer import LossConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.data import chat_example
-from primerl.trainer.config import LossConfig
 from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.trainer.loss import policy_loss
 from primerl.transport.packing import pack_sequences

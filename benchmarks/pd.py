@@ -20,7 +20,7 @@ import httpx
 from primerl_reverse_text.texts import make_texts, prompt_messages
 from transformers import AutoTokenizer
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.inference.pd_router import start_routers
 from primerl.inference.server import VllmServer, start_side_by_side
 from primerl.inference.vllm_args import render_specs

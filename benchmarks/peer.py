@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 from benchmarks.inference import arch_overrides
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.eval.__main__ import evaluate
 from primerl.launch.local import trainer_threads
+from primerl.launch.start import prepare_start_model
 from primerl.metrics import OrchestratorMetric, TrainerMetric, read_metrics
-from primerl.model.start import prepare_start_model
 from primerl.transport.run_dir import weights_path
 from primerl.utils.process import free_port
 

@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 from benchmarks.inference import arch_overrides
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.envs.types import Rollout
 from primerl.envs.verifiers_env import env_runner, load_env
 from primerl.inference.server import VllmServer
 from primerl.inference.vllm_args import render_specs
-from primerl.model.start import prepare_start_model
+from primerl.launch.start import prepare_start_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.trainer.weights import save_hf_checkpoint

@@ -61,7 +61,7 @@ def measure(model_dir: str, seq: int, chunk: int | None, checkpointing: bool, pr
     """In this process: build the trainer, run `steps` RL steps on one random row, return the figures."""
     import torch
 
-    from primerl.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from primerl.config.trainer import LossConfig, OptimConfig, TrainerConfig
     from primerl.trainer.dist import close_distributed, init_distributed
     from primerl.trainer.loss import policy_loss
     from primerl.trainer.trainer import Trainer

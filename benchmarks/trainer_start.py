@@ -47,7 +47,7 @@ def rank_main(setting: str, base: str, out: str) -> None:
     """Under torchrun: build the model one way, write this rank's figures to OUT/rank<r>.json."""
     import torch
 
-    from primerl.trainer.config import OptimConfig, TrainerConfig
+    from primerl.config.trainer import OptimConfig, TrainerConfig
     from primerl.trainer.dist import close_distributed, init_distributed
     from primerl.trainer.trainer import Trainer
 

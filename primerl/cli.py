@@ -50,6 +50,11 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
         print(usage())
         sys.exit(0 if len(sys.argv) >= 2 else 2)
+    if sys.argv[1] in ("-V", "--version"):
+        from primerl import __version__
+
+        print(f"primerl {__version__}")
+        sys.exit(0)
     command = sys.argv[1]
     if command not in COMMANDS:
         print(f"primerl: unknown command '{command}'; one of: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -105,7 +105,7 @@ def table(runs: list, keys: list[str]) -> list[list[str]]:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m primerl.compare",
+        prog="primerl compare",
         description=__doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n" + __doc__.split("\n\n")[2],

@@ -12,7 +12,7 @@ the loss reads, and the learning-rate schedule spans the run's trainer.max_steps
 Where it is not, the report names the first step that differs and by how much. Exit status: 0 all equal, 1 some
 differ, 2 bad input (one line, nothing started).
 
-The recorded overrides are data (primerl.config.recorded): one that is not a literal setting of primerl's schema is
+The recorded overrides are data (primerl.recorded): one that is not a literal setting of primerl's schema is
 refused with one line naming it, one whose value is code needs `--trust`, and a run directory another user owns or
 can write is shown and asked about on a terminal, refused elsewhere, unless `--trust`.
 """
@@ -28,13 +28,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from primerl.config.cli import check
-from primerl.config.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
+from primerl.app import check
 from primerl.config.schema import RunConfig
 from primerl.launch.children import child_env, module_command
 from primerl.launch.local import trainer_threads
+from primerl.launch.start import sft_applies
 from primerl.metrics import TRAINER, TrainerMetric, read_metrics
-from primerl.model.start import sft_applies, sft_checkpoint_dir
+from primerl.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
+from primerl.sft.cache import sft_checkpoint_dir
 from primerl.transport.atomic import is_stable
 from primerl.transport.run_dir import checkpoint_path, log_path, rollout_path, weights_path
 from primerl.utils.errors import ConfigError

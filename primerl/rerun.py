@@ -12,7 +12,7 @@ The record names the commit it ran (`git.commit`, `git.dirty`): a checkout at an
 changes, may not run what the record ran, and the rerun is refused with one line unless `--force`. What a rerun
 reproduces exactly, and what it cannot: docs/training.md, "Rerunning and replaying".
 
-A record is data (primerl.config.recorded): an override that is not one of primerl's settings with a literal value
+A record is data (primerl.recorded): an override that is not one of primerl's settings with a literal value
 is refused with one line naming it, and one whose value is code (SLURM setup lines, vLLM flags, a custom loss) needs
 `--trust`. A record another user wrote (its `mlflow.user`, or a store file others own or can write) is shown and
 asked about on a terminal, and refused elsewhere, unless `--trust`.
@@ -32,8 +32,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from primerl.compare import default_uri
-from primerl.config.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
 from primerl.ledger.system_info import system_tags
+from primerl.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
 from primerl.utils.secrets import MASK
 
 LEFT_OUT = ("output_dir=", "hydra.run.dir=", "hydra.sweep.dir=", "seed=", "model.init_seed=", "ledger.tags.rerun_of=")
@@ -45,7 +45,7 @@ class Refused(Exception):
 
 def recorded_overrides(client: MlflowClient, run, trusted: bool = False) -> list[str]:
     """The run's overrides, without its directory, its seeds (added from their tags) and masked secrets; Refused
-    when one is not a literal setting of primerl's schema (primerl.config.recorded)."""
+    when one is not a literal setting of primerl's schema (primerl.recorded)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # its bar would be a second line
     with tempfile.TemporaryDirectory() as tmp:
         try:

@@ -7,7 +7,7 @@ logs/, metrics/, rollouts/ and weights/. The driver itself: primerl.launch.drive
 
 from omegaconf import DictConfig
 
-from primerl.config.cli import hydra_app, to_run_config
+from primerl.app import hydra_app, to_run_config
 from primerl.launch.driver import drive
 
 

@@ -9,7 +9,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.inference.server import VllmServer
 from primerl.inference.vllm_args import render_specs
 from primerl.model.resolve import prepare_base_model

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from primerl.config.cli import check
+from primerl.app import check
+from primerl.config.orchestrator import FilterConfig
+from primerl.config.trainer import LossConfig, LrScheduleConfig
 from primerl.orchestrator.advantages import group_advantages
-from primerl.orchestrator.config import FilterConfig
-from primerl.trainer.config import LossConfig, LrScheduleConfig
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
 from primerl.trainer.lr_schedule import scheduled_lr

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
 from primerl.transport.collective import TransferError, WeightReceiver, WeightSender
 from primerl.transport.fingerprint import fingerprint_of

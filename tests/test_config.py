@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.config.cli import CONF_DIR, check, format_config_error
+from primerl.app import CONF_DIR, check, format_config_error
 from primerl.config.validate import resolve_dp_shard
 from primerl.utils.errors import ConfigError
 from tests.conftest import run_module
@@ -163,7 +163,7 @@ def test_inference_refuses_gpu_only_settings_on_cpu():
 
 
 def test_hydra_flags_with_values_are_not_overrides():
-    from primerl.config.cli import overrides_in
+    from primerl.app import overrides_in
 
     assert overrides_in(["--cfg", "job", "-p", "trainer", "seed=1", "-m", "a=1,2"]) == ["seed=1", "a=1,2"]
     result = run_module("primerl.sft", "+experiment=reverse_text", "--cfg", "job", timeout=120)
@@ -237,7 +237,7 @@ SCHEMA_CASES = list(_schema_cases())
 def test_every_field_of_the_schema_refuses_bad_values_in_one_line(capsys):
     """A wrong type for every field, a value outside every declared range, an unknown key in every group: each one
     exits 2 with one line that names the key, before any process starts (the command line's own check)."""
-    from primerl.config.cli import preflight
+    from primerl.app import preflight
 
     kinds = collections.Counter(kind for kind, _, _ in SCHEMA_CASES)
     assert kinds["wrong type"] >= 90 and kinds["out of range"] >= 50 and kinds["unknown key"] >= 12, kinds
@@ -313,9 +313,9 @@ def test_a_hub_model_resolves_to_its_cached_snapshot_and_offline_uncached_is_one
 
 
 def test_gpu_plan_gives_each_inference_server_and_trainer_rank_its_own_gpu(monkeypatch):
-    """The local launcher's CUDA_VISIBLE_DEVICES per process (primerl/config/gpus.py), from counts or lists; sharing
+    """The local launcher's CUDA_VISIBLE_DEVICES per process (primerl/inference/gpus.py), from counts or lists; sharing
     one GPU only when asked, with vLLM's memory share bounded; every bad layout one line naming the key."""
-    from primerl.config.gpus import job_server_env, plan_gpus, visible_gpus
+    from primerl.inference.gpus import job_server_env, plan_gpus, visible_gpus
 
     def plan(visible: list[str], *overrides: str):
         cfg = check(list(overrides))

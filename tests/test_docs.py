@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.config.cli import preflight
+from primerl.app import preflight
 from primerl.metrics import OrchestratorMetric, TrainerMetric
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ def test_summary_counts_failures_apart_and_scores_the_rest():
 def test_an_unfinished_collective_run_is_one_line_not_a_server_on_an_empty_offer(tmp_path):
     """A run with weights.transport=collective holds its versions as offers (no weights) until its last one: an eval
     of it before it ended is refused before anything starts."""
-    from primerl.config.cli import check
+    from primerl.app import check
     from primerl.eval.__main__ import model_to_evaluate
     from primerl.transport.atomic import atomic_dir
     from primerl.transport.run_dir import weights_path

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.launch.fork import seed_fork
 from primerl.metrics import read_metrics
 from primerl.trainer.checkpoint import verify_checkpoint

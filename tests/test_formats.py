@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.launch.resume import check_resume, check_run_format
 from primerl.metrics import read_metrics
 from primerl.trainer.checkpoint import latest_checkpoint, verify_checkpoint

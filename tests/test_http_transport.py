@@ -126,7 +126,7 @@ def test_an_env_worker_answers_a_malformed_frame_with_an_error_and_keeps_serving
     import msgpack
     from verifiers.v1.utils.loaders import resolve_env_config
 
-    from primerl.config.cli import check
+    from primerl.app import check
     from primerl.envs.verifiers_env import env_config
     from primerl.envs.worker_process import RolloutsServer
 

@@ -22,8 +22,8 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from primerl.config.cli import check
-from primerl.inference.config import served_ports
+from primerl.app import check
+from primerl.config.inference import served_ports
 from primerl.inference.server import InferenceStartError, VllmServer
 from primerl.inference.vllm_args import ServerSpec, check_supported, render_specs
 from primerl.model.resolve import prepare_base_model
@@ -580,16 +580,21 @@ def test_a_server_that_dies_before_serving_is_restarted_a_bounded_number_of_time
         spec = ServerSpec(args=[], env=dict(env), port=free_port())
         server = _DiesAtFirstRequest(spec, tmp_path / f"server-{serve_first}.log", serve_first).start(timeout_s=60)
         outcome: list[BaseException] = []
+        seen_serving = threading.Event()  # set when the supervisor's poll saw this start's served request
+        has_served = server.has_served
+        server.has_served = lambda f=has_served, e=seen_serving: f() and (e.set() or True)
         thread = threading.Thread(target=_supervise, args=(server, outcome), daemon=True)
         thread.start()
         deaths = 0
         while thread.is_alive() and deaths < MAX_RESTARTS + 2:
             pid = server.process.pid
             wait_until(lambda s=server, p=pid: s.process.pid != p or s._health(new_challenge()), "the server")
+            seen_serving.clear()
             for request in range(1 + serve_first):  # the request that kills it (after one it serves)
                 with contextlib.suppress(httpx.HTTPError):
                     httpx.post(f"{spec.base_url}/v1/completions", json={}, headers=_auth(), timeout=10)
-                time.sleep(1.0 if request < serve_first else 0)  # the served one is seen (a poll is 0.2 s here)
+                if request < serve_first:  # the kill waits until the supervisor has seen the served one
+                    wait_until(seen_serving.is_set, "the supervisor seeing the served request", 60)
             wait_until(lambda s=server, p=pid, t=thread: s.process.pid != p or not t.is_alive(), "a restart", 60)
             deaths += 1
         server.stop()

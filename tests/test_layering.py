@@ -1,23 +1,27 @@
-"""Imports in `primerl/` run one way: down the layers of docs/architecture.md, with no cycles (read from the source, so
-imports inside functions and under TYPE_CHECKING count too)."""
+"""Imports in `primerl/` run one way: down the layers of docs/architecture.md, by package and by module, with no
+cycles (read from the source, so imports inside functions and under TYPE_CHECKING count too)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "primerl"
 
-# Lowest first. A module may import modules of its own layer or below. Each group's `config.py` is a leaf dataclass
-# (it imports only utils), so `config/` composes them and every layer above may read any of them.
+# Lowest first: a package (or top-level module) may import its own layer or below. The entry points are the top
+# layer wherever they live: every `__main__` module and the driver, beside the top-level commands.
 LAYERS = [
     ("utils",),
-    ("*.config",),
     ("config",),
     ("transport", "metrics"),
-    ("model", "envs"),
-    ("trainer", "inference"),
-    ("orchestrator", "sft", "eval", "ledger", "plot"),
-    ("launch", "train", "compare", "replay", "rerun", "cli"),
+    ("model", "envs", "plot"),
+    ("trainer", "inference", "ledger"),
+    ("sft", "orchestrator", "eval"),
+    ("launch",),
+    ("app", "recorded", "train", "compare", "replay", "rerun", "cli"),
 ]
+ENTRY = len(LAYERS) - 1
+ENTRY_MODULES = ("launch.driver",)
+# what only the entry points may import: the Hydra app (one-line config errors, `hydra_app`)
+ENTRY_ONLY = ("primerl.app",)
 
 
 def module_name(path: Path) -> str:
@@ -25,14 +29,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def package_of(module: str) -> str:
+    return module.removeprefix("primerl.").split(".")[0]
+
+
 def layer(module: str) -> int:
     relative = module.removeprefix("primerl.")
-    if relative.endswith(".config") and relative != "config":
-        return 1
+    if relative == "__main__" or relative.endswith(".__main__") or relative in ENTRY_MODULES:
+        return ENTRY
     for index, names in enumerate(LAYERS):
-        if any(relative == name or relative.startswith(f"{name}.") for name in names):
+        if package_of(module) in names:
             return index
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/architecture.md")
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS and to docs/architecture.md")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -51,7 +59,9 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_imports_run_down_the_layers():
+def test_imports_run_down_the_layers_by_module_and_by_package():
+    """Module by module; and package by package, where a package's entry points count as the top layer (a package's
+    library modules import nothing above the package)."""
     graph = import_graph()
     upward = [
         f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
@@ -60,6 +70,19 @@ def test_imports_run_down_the_layers():
         if layer(b) > layer(a)
     ]
     assert not upward, "\n".join(upward)
+    packages: dict[str, set[str]] = {}
+    for a, imported in graph.items():
+        if layer(a) != ENTRY:
+            packages.setdefault(package_of(a), set()).update(package_of(b) for b in imported if layer(b) != ENTRY)
+    for package, imported in packages.items():
+        for other in imported - {package}:
+            assert layer(f"primerl.{other}") <= layer(f"primerl.{package}"), f"package {package} imports {other}"
+
+
+def test_only_entry_points_import_the_hydra_app():
+    graph = import_graph()
+    wrong = sorted(a for a, imported in graph.items() if layer(a) != ENTRY and imported & set(ENTRY_ONLY))
+    assert not wrong, wrong
 
 
 def test_no_module_imports_one_that_imports_it_back():

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from primerl.app import check, compose
 from primerl.compare import main as compare_main
-from primerl.config.cli import check, compose
 from primerl.ledger.follower import MetricsFollower
 from primerl.ledger.mlflow_ledger import Ledger, flatten
 from primerl.metrics import append_metrics

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
 from primerl.trainer.logprobs import ScoresHead, TokenScores, chunked_scores, full_scores, next_tokens
 

@@ -12,9 +12,11 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from primerl.config.cli import check
+from primerl.app import check
+from primerl.config.model import LoraConfig, TinyArchConfig
 from primerl.inference.server import VllmServer, start_side_by_side
 from primerl.inference.vllm_args import render_specs
+from primerl.launch.start import prepare_start_adapter
 from primerl.model.adapter import (
     ADAPTER_FILE,
     PEFT_ADAPTER,
@@ -24,9 +26,7 @@ from primerl.model.adapter import (
     start_value,
     write_start_adapter,
 )
-from primerl.model.config import LoraConfig, TinyArchConfig
 from primerl.model.resolve import prepare_base_model
-from primerl.model.start import prepare_start_adapter
 from primerl.model.tiny import build_tiny_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.transport.atomic import STABLE_MARKER, atomic_dir, is_stable

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer, tiny_model_dir
 from primerl.trainer.weights import save_hf_checkpoint
 

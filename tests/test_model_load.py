@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
 from primerl.trainer.model_load import StoredTensors
 from tests.conftest import run_module

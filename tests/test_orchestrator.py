@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from primerl.config.orchestrator import FilterConfig, OrchestratorConfig
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.metrics import ORCHESTRATOR, read_metrics
-from primerl.orchestrator.config import FilterConfig, OrchestratorConfig
 from primerl.orchestrator.dispatcher import Dispatcher, request_seed
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.sink import Sink
@@ -306,7 +306,7 @@ def test_partial_groups_never_stall_the_cut(tmp_path):
 
 
 def test_online_evals_run_on_the_served_policy_before_the_next_load(tmp_path):
-    from primerl.eval.config import EvalConfig
+    from primerl.config.eval import EvalConfig
     from primerl.metrics import EVAL
     from primerl.orchestrator.inference_client import Loaded
     from primerl.orchestrator.online_eval import EvalSuite, OnlineEval

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.metrics import read_metrics
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.batch import build_batch

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.pd import cpu_pd_overrides
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.inference.vllm_args import check_supported
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient

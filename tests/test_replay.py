@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.batch import build_batch
 from primerl.transport.batches import write_rollout_batch

@@ -353,9 +353,9 @@ def test_weights_a_live_replica_keeps_refusing_end_the_run(tmp_path):
 
 
 def test_replica_config_ports_and_errors():
+    from primerl.config.inference import replica_urls
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
-    from primerl.inference.config import replica_urls
     from primerl.inference.vllm_args import render_specs, replica_cores
     from primerl.utils.errors import ConfigError
     from primerl.utils.process import free_port
@@ -388,7 +388,7 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     the orchestrator's job waits for both, and the replica URLs come from both (a job not yet advertised: None)."""
     import json
 
-    from primerl.config.cli import check
+    from primerl.app import check
     from primerl.config.schema import RunConfig
     from primerl.config.validate import validate
     from primerl.launch.slurm_job import ModuleJob
@@ -449,7 +449,7 @@ def test_prefill_and_decode_jobs_meet_through_their_addresses_and_the_routers_fo
     """With PD on SLURM, inference job 1 (of 2, 2 pairs each) is a prefill job and a decode job: the prefill job
     advertises its servers' first port, the decode job waits for it and points its routers there, both render pairs
     2 and 3 (their KV stores); when the prefill job is requeued elsewhere the decode job's routers follow it."""
-    from primerl.config.cli import check
+    from primerl.app import check
     from primerl.inference.pd_router import PdRouter, follow_prefill
     from primerl.launch.slurm_job import ModuleJob
     from primerl.transport.address import advertised_urls, write_address

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.ledger.system_info import system_tags
 from tests.conftest import ROOT
 
@@ -102,7 +102,7 @@ def _planted(marker) -> list[str]:
     ],
 )
 def test_a_record_holds_literal_settings_of_the_schema_only(override, why):
-    from primerl.config.recorded import refusal
+    from primerl.recorded import refusal
 
     assert why in (refusal(override) or "")
     assert refusal("+experiment=reverse_text") is None and refusal("env.args.seed=3") is None

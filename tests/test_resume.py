@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from primerl.config.cli import check
+from primerl.app import check
 from primerl.launch.resume import check_resume
 from primerl.transport.run_dir import rollout_path, run_settings_path
 from primerl.utils.errors import ConfigError

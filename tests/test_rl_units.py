@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from primerl.config.trainer import LossConfig
 from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.batch import build_batch
-from primerl.trainer.config import LossConfig
 from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.trainer.loss import policy_loss
 from primerl.transport.batches import CorruptBatch, RolloutBatch, Sample, read_rollout_batch, write_rollout_batch

@@ -7,12 +7,13 @@ import torch
 from primerl_reverse_text.texts import demonstration_answers, lcs_ratio, make_texts, prompt_messages
 from transformers import AutoModelForCausalLM
 
-from primerl.config.cli import check
-from primerl.model.config import TinyArchConfig
-from primerl.model.start import data_digest, sft_checkpoint_dir
+from primerl.app import check
+from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model, build_tokenizer
 from primerl.sft.__main__ import STOP_WINDOW, assistant_loss_sum, stop_reached
+from primerl.sft.cache import data_digest, sft_checkpoint_dir
 from primerl.sft.data import IGNORE, PackedBatch, chat_example, conversation_example, load_conversations, pack
+from primerl.sft.source import check_demonstrations
 from primerl.trainer.logprobs import full_scores, next_tokens
 from primerl.utils.errors import ConfigError
 from tests.conftest import run_module
@@ -237,26 +238,23 @@ def test_sft_from_a_chat_dataset(tmp_path):
     metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
     assert metrics["steps"] == len(metrics["losses"]) == STOP_WINDOW
     assert f"stopping at step {STOP_WINDOW}: mean loss of the last {STOP_WINDOW} steps" in result.stdout + result.stderr
+    # bad input: one line, exit 2, on the command line (one case; the others by the check SFT runs first)
+    result = run_module("primerl.sft", *args, "sft.data=null")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+    assert "sft.data: no demonstrations for env.id=primerl-guess-number" in result.stderr
     for bad, why in (
-        (["sft.data=null"], "sft.data: no demonstrations for env.id=primerl-guess-number"),
         ([f"sft.data={tmp_path}/missing.jsonl"], "sft.data: "),
         ([f"sft.data={data}x"], "is neither a JSONL file nor a datasets directory"),
         ([f"sft.data={data}", "sft.seq_len=16"], f"sft.seq_len: {data} conversation 0 is "),
+        # options the env's own generator refuses (primerl.envs.demonstrations)
+        (
+            ["env=reverse_text", "sft.demonstration_args.uppercase_fraction=1.0"],
+            "sft.demonstration_args: primerl-reverse-text: uppercase_fraction must be >= 0 and < 1, got 1.0",
+        ),
     ):
-        result = run_module("primerl.sft", *args, *bad)
-        assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
-        assert len(result.stderr.strip().splitlines()) == 1
-    # options the env's own generator refuses (primerl.envs.demonstrations)
-    result = run_module(
-        "primerl.sft",
-        "+experiment=reverse_text",
-        "sft.demonstration_args.uppercase_fraction=1.0",
-        f"hydra.run.dir={tmp_path}/out",
-        "ledger.enabled=false",
-    )
-    why = "sft.demonstration_args: primerl-reverse-text: uppercase_fraction must be >= 0 and < 1, got 1.0"
-    assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
-    assert len(result.stderr.strip().splitlines()) == 1
+        with pytest.raises(ConfigError) as refused:
+            check_demonstrations(check([*(a for a in args if not a.startswith("hydra.")), *bad]))
+        assert why in f"{refused.value.key}: {refused.value.message}"
 
 
 def test_an_env_without_demonstrations_starts_rl_from_the_base_model(caplog):

@@ -15,7 +15,7 @@ import pytest
 import verifiers.v1 as vf
 from aiohttp import web
 
-from primerl.envs.config import EnvConfig
+from primerl.config.env import EnvConfig
 from primerl.envs.tool_renderer import MALFORMED_TOOL_CALL, renderer_config, renderer_name
 from primerl.envs.verifiers_env import load_env
 from primerl.model.tiny import TOOL_CALL_END, TOOL_CALL_START, build_tokenizer

@@ -184,7 +184,7 @@ def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_co
     second reload is the one vLLM-CPU's own MoE path got wrong: primerl re-prepacks the experts.)"""
     from transformers import AutoTokenizer
 
-    from primerl.config.cli import check
+    from primerl.app import check
     from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
     from primerl.inference.vllm_args import render_specs
     from primerl.model.resolve import prepare_base_model

@@ -1,9 +1,9 @@
 """Checks of the RL algorithm's settings (trainer.loss, trainer.lr_schedule, orchestrator.advantage and .filter),
 each failure one ConfigError naming the key, before any process starts."""
 
+from primerl.config.orchestrator import ADVANTAGES
 from primerl.config.schema import RunConfig
-from primerl.orchestrator.config import ADVANTAGES
-from primerl.trainer.config import CUSTOM_LOSS_PARAMETERS, LOSS_TYPES, LR_SCHEDULES, REDUCTIONS
+from primerl.config.trainer import CUSTOM_LOSS_PARAMETERS, LOSS_TYPES, LR_SCHEDULES, REDUCTIONS
 from primerl.utils.dotted import load_function
 from primerl.utils.errors import ConfigError
 

@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from primerl.envs.config import EnvConfig, MixtureEntry
-from primerl.eval.config import EvalConfig
-from primerl.inference.config import InferenceConfig
-from primerl.launch.config import ForkConfig, LauncherConfig
-from primerl.ledger.config import LedgerConfig
-from primerl.model.config import ModelConfig
-from primerl.orchestrator.config import OrchestratorConfig
-from primerl.sft.config import SftConfig
-from primerl.trainer.config import ParallelismConfig, TrainerConfig
-from primerl.transport.config import WeightsConfig
+from primerl.config.env import EnvConfig, MixtureEntry
+from primerl.config.eval import EvalConfig
+from primerl.config.inference import InferenceConfig
+from primerl.config.launcher import ForkConfig, LauncherConfig
+from primerl.config.ledger import LedgerConfig
+from primerl.config.model import ModelConfig
+from primerl.config.orchestrator import OrchestratorConfig
+from primerl.config.sft import SftConfig
+from primerl.config.trainer import ParallelismConfig, TrainerConfig
+from primerl.config.weights import WeightsConfig
 
 
 @dataclass

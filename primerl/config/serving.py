@@ -1,10 +1,10 @@
 """Cross-field checks of what the inference servers serve and how the policy reaches them: ports, keys, vLLM flags,
 prefill/decode pairs, LoRA, collective weights. Each failure names the offending key."""
 
+from primerl.config.inference import OWNED_VLLM_FLAGS, InferenceConfig, PdRole
+from primerl.config.model import ModelSource
 from primerl.config.schema import RunConfig
-from primerl.inference.config import OWNED_VLLM_FLAGS, InferenceConfig, PdRole
-from primerl.model.config import ModelSource
-from primerl.transport.config import WeightTransport
+from primerl.config.weights import WeightTransport
 from primerl.utils.errors import ConfigError
 from primerl.utils.process import is_loopback
 

@@ -5,11 +5,11 @@ import math
 from pathlib import Path
 
 from primerl.config.algorithm import check_algorithm
+from primerl.config.launcher import JOB_ROLES
+from primerl.config.model import ModelSource
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
 from primerl.config.serving import check_serving
-from primerl.launch.config import JOB_ROLES
-from primerl.model.config import ModelSource
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
 

@@ -4,7 +4,7 @@ in the orchestrator's process or in `env.workers` worker processes (primerl.envs
 import contextlib
 from collections.abc import Sequence
 
-from primerl.envs.config import EnvConfig
+from primerl.config.env import EnvConfig
 from primerl.envs.verifiers_env import env_config, load_env
 from primerl.envs.workers import EnvWorkers
 

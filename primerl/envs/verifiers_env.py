@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import verifiers.v1 as vf
 from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
-from primerl.envs.config import EnvConfig
+from primerl.config.env import EnvConfig
 from primerl.envs.http_transport import API_KEY_VAR, use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_memo import memoize_default_factory_check
 from primerl.envs.tool_renderer import renderer_config, renderer_name
@@ -21,7 +21,7 @@ from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.utils.errors import ConfigError
 
 if TYPE_CHECKING:
-    from primerl.inference.config import InferenceConfig
+    from primerl.config.inference import InferenceConfig
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
 # Every other error ends the rollout, which is counted as failed.

@@ -2,13 +2,13 @@
 process group, reached through verifiers' `EnvClient` (ZMQ, msgpack) on an ipc address; started, probed and killed
 here.
 
-The rollouts route: a `run` request flagged `primerl_rollouts` is answered with the episode already turned into
-primerl's rollouts (`episode_rollouts`, in the worker) as plain msgpack, instead of verifiers' trace deltas and an
-episode record that the orchestrator validates into pydantic models (`WireEpisode`) and then converts itself: the
-orchestrator's CPU per single-turn rollout fell from ~1.7 to ~0.5 ms against stand-in servers, the worker's from
-~6.3 to ~4.6 ms (benchmarks/capacity.py). Everything else is verifiers' protocol unchanged: the request id,
-the cancel of an abandoned run (the route is still `run`, so the server tracks it and the client sends the cancel),
-the health checks, a failed request answered as `success: false`.
+The rollouts route: a worker answers a `run` request with the episode already turned into primerl's rollouts
+(`episode_rollouts`, in the worker) as plain data, instead of verifiers' trace deltas and an episode record that the
+orchestrator validates into pydantic models (`WireEpisode`) and then converts itself: the orchestrator's CPU per
+single-turn rollout fell from ~1.7 to ~0.5 ms against stand-in servers, the worker's from ~6.3 to ~4.6 ms
+(benchmarks/capacity.py). Only verifiers' `_run` is replaced (a worker serves primerl's orchestrator alone):
+everything around it is verifiers' own handler, unchanged: the request id, the cancel of an abandoned run, the health
+checks, a failed or malformed request and a reply that cannot be encoded answered as `success: false`.
 """
 
 import asyncio
@@ -20,13 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import verifiers.v1.serve.pool as verifiers_pool
-import zmq
+from pydantic import Field
 from verifiers.v1.serve import EnvClient, serve_env
-from verifiers.v1.serve.encoding import msgpack_encoder
 from verifiers.v1.serve.server import EnvServer
-from verifiers.v1.serve.types import RunRequest
+from verifiers.v1.serve.types import BaseResponse, RunRequest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.envs.verifiers_env import episode_rollouts
@@ -34,12 +32,6 @@ from primerl.utils.liveness import Pulse
 from primerl.utils.log import configure_logging, get_logger
 
 log = get_logger(__name__)
-
-
-class RolloutsRequest(RunRequest):
-    """verifiers' run request, flagged for the rollouts route (an extra field verifiers' own server ignores)."""
-
-    primerl_rollouts: bool = True
 
 
 def rollout_to_wire(rollout: Rollout | RolloutFailure) -> dict:
@@ -52,39 +44,20 @@ def rollout_from_wire(data: dict) -> Rollout | RolloutFailure:
     return Rollout(**{**data, "branches": [ScoredBranch(**branch) for branch in data["branches"]]})
 
 
+class RolloutsResponse(BaseResponse):
+    """A run's answer on the rollouts route: its rollouts as plain data (rollout_to_wire)."""
+
+    rollouts: list[dict] = Field(default_factory=list)
+
+
 class RolloutsServer(EnvServer):
-    """verifiers' `EnvServer` that answers a flagged run request with rollouts (module docstring)."""
+    """verifiers' `EnvServer`, whose runs answer with rollouts (module docstring)."""
 
-    async def _handle(self, client_id: bytes, request_id: bytes, method: bytes, payload: bytes) -> None:
-        try:
-            raw = msgpack.unpackb(payload, raw=False) if method == b"run" else None
-        except Exception:  # a malformed frame: verifiers' handler answers it with its error, as any bad request
-            self._running.pop(request_id.decode(errors="replace"), None)
-            raw = None
-        if not (isinstance(raw, dict) and raw.get("primerl_rollouts")):
-            return await super()._handle(client_id, request_id, method, payload)
-        try:
-            rollouts = await self._rollouts(RunRequest.model_validate(raw))
-            reply = {"success": True, "error": None, "rollouts": [rollout_to_wire(r) for r in rollouts]}
-        except asyncio.CancelledError:  # the client gave up on it; a reply keeps the accounting exact, as verifiers'
-            reply = {"success": False, "error": "Cancelled: rollout aborted"}
-        except Exception as err:  # a failed request is data: the orchestrator counts the rollout as failed
-            log.warning("rollout request failed: %s", err, exc_info=True)
-            reply = {"success": False, "error": f"{type(err).__name__}: {err}"}
-        finally:
-            self._running.pop(request_id.decode(), None)
-        try:
-            data = msgpack.packb(reply, default=msgpack_encoder)
-        except Exception as err:  # a reply, always: the client waits for one
-            log.warning("rollout reply encoding failed: %s", err, exc_info=True)
-            data = msgpack.packb({"success": False, "error": f"reply encoding failed: {type(err).__name__}: {err}"})
-        with contextlib.suppress(zmq.ZMQError):
-            await self.frontend.send_multipart([client_id, request_id, b"reply", data], copy=False)
-
-    async def _rollouts(self, request: RunRequest) -> list[Rollout | RolloutFailure]:
-        (slot,) = self.env.slots(self._build_task(request.task_data))
-        context = self._context(request.client, request.model, request.sampling)
-        return episode_rollouts(await self.env.run_slot(slot, context, self._gate))
+    async def _run(self, req: RunRequest, client_id: bytes, request_id: bytes) -> RolloutsResponse:
+        (slot,) = self.env.slots(self._build_task(req.task_data))
+        context = self._context(req.client, req.model, req.sampling)
+        rollouts = episode_rollouts(await self.env.run_slot(slot, context, self._gate))
+        return RolloutsResponse(rollouts=[rollout_to_wire(r) for r in rollouts])
 
 
 class RolloutsReply:
@@ -106,7 +79,7 @@ class WorkerClient(EnvClient):
     async def rollouts(self, ctx: Any, task_data: dict) -> list[Rollout | RolloutFailure]:
         """One rollout of the task whose dumped data is `task_data`, sampling with `ctx` (a `vf.ModelContext`).
         Raises `RuntimeError` with the worker's error for a request it could not run."""
-        request = RolloutsRequest(task_data=task_data, client=ctx.client, model=ctx.model, sampling=ctx.sampling)
+        request = RunRequest(task_data=task_data, client=ctx.client, model=ctx.model, sampling=ctx.sampling)
         return (await self._request(request, RolloutsReply)).rollouts
 
 

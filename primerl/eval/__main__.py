@@ -32,14 +32,14 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from primerl.config.cli import hydra_app, to_run_config
+from primerl.app import hydra_app, to_run_config
+from primerl.config.env import EnvConfig
+from primerl.config.model import LoraConfig
 from primerl.config.schema import RunConfig
-from primerl.envs.config import EnvConfig
 from primerl.envs.scoring import TaskResult, run_tasks, summarize
 from primerl.model.adapter import adapter_settings
-from primerl.model.config import LoraConfig
 from primerl.transport.atomic import is_stable, write_json
-from primerl.transport.run_dir import eval_summary_path, log_path, scratch_prefix, weights_path
+from primerl.transport.run_dir import eval_summary_path, weights_path
 from primerl.transport.weights import is_adapter, is_offer, latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -87,27 +87,14 @@ def held_out_env(cfg: RunConfig) -> EnvConfig:
 def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None) -> Iterator[str]:
     """The URL to evaluate against, served while the context lasts: one server (one replica is enough to evaluate),
     or with `inference.pd.enabled` one prefill/decode pair behind primerl's router at `inference.port`, as a training
-    run serves them."""
-    from primerl.inference.pd_router import start_routers
-    from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
+    run serves them (primerl.inference.serving)."""
+    from primerl.inference.serving import server_for, serving
     from primerl.inference.vllm_args import render_specs
 
     inf = dataclasses.replace(cfg.inference, replicas=1)
     cfg = dataclasses.replace(cfg, inference=inf)
-    servers = [
-        VllmServer(spec, log_path(cfg.output_dir, f"vllm-{spec.port}"), scratch_prefix(cfg.output_dir, "vllm"))
-        for spec in render_specs(cfg, model_path, device, adapter)
-    ]
-    routers = []
-    try:
-        start_side_by_side(servers, inf.startup_timeout_s)
-        if inf.pd.enabled:
-            routers = start_routers(inf, cfg.output_dir, servers[0].spec.env)
+    with serving(cfg, [server_for(cfg, spec) for spec in render_specs(cfg, model_path, device, adapter)]):
         yield f"http://{inf.host}:{inf.port}"
-    finally:
-        for router in routers:
-            router.stop()
-        stop_side_by_side(servers)
 
 
 def evaluate(cfg: RunConfig, model_path: str) -> dict:

@@ -1,7 +1,7 @@
 """`python -m primerl.inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
 
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
-else the base model; with LoRA, the base model and the run's start adapter (primerl.model.start). Prints the base URL once ready.
+else the base model; with LoRA, the base model and the run's start adapter (primerl.launch.start). Prints the base URL once ready.
 `inference.replicas` servers start side by side; with prefill/decode a pair per replica and a router in front of each
 (primerl.inference.pd_router), or on SLURM one side of the pairs (`inference.pd.role`: the prefill job's servers, or
 the decode job's servers and the routers).
@@ -22,15 +22,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from primerl.config.cli import hydra_app, to_run_config
-from primerl.config.gpus import job_server_env, plan_gpus, visible_gpus
+from primerl.app import hydra_app, to_run_config
+from primerl.config.inference import PdRole, pd_pairs
 from primerl.config.schema import RunConfig
-from primerl.inference.config import PdRole, pd_pairs
-from primerl.inference.pd_router import PdRouter, follow_prefill, start_routers
-from primerl.inference.server import InferenceStartError, VllmServer, start_side_by_side, stop_side_by_side
+from primerl.inference.gpus import job_server_env, plan_gpus, visible_gpus
+from primerl.inference.pd_router import PdRouter, follow_prefill
+from primerl.inference.server import InferenceStartError, VllmServer
+from primerl.inference.serving import server_for, serving
 from primerl.inference.vllm_args import ServerSpec, check_servable, check_supported, render_specs, resolve_device
-from primerl.model.start import prepare_start_adapter, prepare_start_model
-from primerl.transport.run_dir import log_path, scratch_prefix
+from primerl.launch.start import prepare_start_adapter, prepare_start_model
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
@@ -95,53 +95,39 @@ def main(dict_cfg: DictConfig) -> None:
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
     specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
     place_on_gpus(cfg, specs, on_slurm=node is not None)
-    servers = []
-    for spec in specs:
-        name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
-        servers.append(VllmServer(spec, log_path(cfg.output_dir, name), scratch_prefix(cfg.output_dir, "vllm")))
+    servers = [server_for(cfg, spec, node) for spec in specs]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    routers: list[PdRouter] = []
     try:
-        start_side_by_side(servers, cfg.inference.startup_timeout_s)
-        for server in servers:
-            log.info(f"serving {model_path} at {server.base_url}")
-        routers, follow = serve_pairs(cfg, servers)
-        keep_serving(servers, cfg.inference.startup_timeout_s, follow)
+        with serving(cfg, servers) as routers:
+            for server in servers:
+                log.info(f"serving {model_path} at {server.base_url}")
+            keep_serving(servers, cfg.inference.startup_timeout_s, follow_pairs(cfg, routers))
     except (InferenceStartError, RunError) as err:
         log.error(str(err))
         sys.exit(1)
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the driver's death) must not cut the stop
-        for router in routers:
-            router.stop()  # and its KV store emptied: nothing of it outlives the serving
-        stop_side_by_side(servers)
 
 
-def serve_pairs(cfg: RunConfig, servers: list[VllmServer]) -> tuple[list[PdRouter], Callable[[], None]]:
-    """With prefill/decode, a router per pair in front of this process's decode servers (none in a SLURM prefill
-    job); returns them and what keeps them pointed at their prefill servers (a SLURM decode job follows its prefill
-    job)."""
+def follow_pairs(cfg: RunConfig, routers: list[PdRouter]) -> Callable[[], None]:
+    """With prefill/decode, what keeps this process's routers pointed at their prefill servers (a SLURM decode job
+    follows its prefill job, which a requeue moves); logs each pair."""
     inf = cfg.inference
-    if not inf.pd.enabled or inf.pd.role == PdRole.prefill:
-        return [], lambda: None
-    routers = start_routers(inf, cfg.output_dir, servers[0].spec.env)
-    for pair, router in zip(pd_pairs(inf), routers, strict=True):
+    for pair, router in zip(pd_pairs(inf), routers, strict=False):
         log.info(
             f"pair {pair.index}: prefill at {router.prefill_url}, decode at {router.decode_url}, routed at "
             f"http://{inf.host}:{pair.router_port}"
         )
-    if inf.pd.role == PdRole.both:
-        return routers, lambda: None
+    if not routers or inf.pd.role == PdRole.both:
+        return lambda: None
 
     def follow() -> None:
         for url in follow_prefill(routers, cfg.output_dir, inf):
             log.warning(f"the prefill job moved: prefilling at {url}")
 
-    return routers, follow
+    return follow
 
 
 def place_on_gpus(cfg: RunConfig, specs: list[ServerSpec], on_slurm: bool) -> None:
-    """Each server its GPU(s): locally the launcher's plan (primerl.config.gpus), on SLURM a share of the job's."""
+    """Each server its GPU(s): locally the launcher's plan (primerl.inference.gpus), on SLURM a share of the job's."""
     visible = visible_gpus()
     if on_slurm:
         for index, spec in enumerate(specs):

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from primerl.inference.config import InferenceConfig, pd_pairs
+from primerl.config.inference import InferenceConfig, pd_pairs
 from primerl.inference.guard import API_KEY_ENV, InferenceGuard
 from primerl.transport.address import read_address
 from primerl.transport.identity import SERVER_ID_ENV

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from primerl.config.schema import RunConfig
-from primerl.inference.config import (
+from primerl.config.inference import (
     InferenceConfig,
     KvCacheDtype,
     PdPair,
@@ -20,6 +19,7 @@ from primerl.inference.config import (
     pd_pairs,
     replica_ports,
 )
+from primerl.config.schema import RunConfig
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, server_identity

@@ -84,14 +84,14 @@ def preflight(cfg: RunConfig) -> None:
     """Fail with one ConfigError before any process starts: a model that is not there (a hub id offline and not
     cached, a directory that is not a chat causal LM) or that the engine cannot run on this device, an unknown env id or bad env args, a bad SFT dataset row or
     generator options, a parallel layout the launcher cannot place, a port something else listens on, GPUs that do
-    not give each replica and trainer rank its own (primerl.config.gpus). A hub model
+    not give each replica and trainer rank its own (primerl.inference.gpus). A hub model
     is fetched here, once, into the local Hugging Face cache, where every process then finds it."""
-    from primerl.config.gpus import plan_gpus, visible_gpus
     from primerl.config.validate import resolve_dp_shard
     from primerl.envs.verifiers_env import load_env
+    from primerl.inference.gpus import plan_gpus, visible_gpus
     from primerl.inference.vllm_args import check_servable, resolve_device
+    from primerl.launch.start import sft_applies
     from primerl.model.resolve import prepare_base_model
-    from primerl.model.start import sft_applies
 
     load_env(cfg.env)
     for i, entry in enumerate(cfg.mixture):
@@ -155,7 +155,7 @@ def refuse_taken_ports(cfg: RunConfig) -> None:
     """A port the servers would listen on that something already listens on (another run started with the same
     settings) is a config error now, not a vLLM that fails to bind after its start while the other run's server
     answers in its place."""
-    from primerl.inference.config import served_ports
+    from primerl.config.inference import served_ports
     from primerl.inference.server import port_in_use
     from primerl.utils.process import port_taken
 

@@ -10,8 +10,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from primerl.config.gpus import plan_gpus, visible_gpus
 from primerl.config.schema import RunConfig
+from primerl.inference.gpus import plan_gpus, visible_gpus
 from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
 from primerl.utils.parent_death import dies_with_parent

@@ -1,20 +1,23 @@
 """What the driver prints while a run goes on, read from the run's metrics files (the processes print to their logs).
 
-- Until the first trainer step: a line every NOTE_EVERY_S saying what is awaited and where its log is (vLLM takes a
-  minute or more to start on a CPU).
+- Until the first trainer step: a line every NOTE_EVERY_S naming what is starting, read from the processes' logs (vLLM
+  loading or serving on its ports, the trainer building or ready, the env workers), and where the logs are (vLLM takes
+  a minute or more to start on a CPU).
 - One line per trainer step: reward, loss, failed rollouts, off-policy lag, generation and training time, elapsed
   time and an ETA from the mean time per step so far.
 - One line per online eval (metrics/eval.jsonl).
 - At the end, a summary: wall time, reward first to last, evals, the run directory and how to open its MLflow record.
 """
 
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
 from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER, OrchestratorMetric, TrainerMetric, read_metrics
-from primerl.transport.run_dir import log_path, reward_plot_path
+from primerl.transport.run_dir import log_path, reward_plot_path, weights_path
+from primerl.transport.weights import latest_stable_version
 from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
 
 log = get_logger("train")
 NOTE_EVERY_S = 15.0
+PROCESSES = ("inference", "orchestrator", "trainer")
 M, T = OrchestratorMetric, TrainerMetric
 
 
@@ -68,7 +72,21 @@ class Progress:
     def _awaited(self, orchestrator: dict) -> str:
         if orchestrator:
             return f"training step 0 (log: {log_path(self.run_dir, 'trainer')})"
-        return f"inference servers and envs starting; the first batch follows (logs: {self.run_dir / 'logs'})"
+        return f"starting: {', '.join(self._phases())}; the first batch follows (logs: {self.run_dir / 'logs'})"
+
+    def _phases(self) -> list[str]:
+        """What each process is doing, from the last lines of its log."""
+        inference, orchestrator, trainer = (tail(log_path(self.run_dir, p)) for p in PROCESSES)
+        serving = sorted(set(re.findall(r"serving .* at \S+:(\d+)", inference)))
+        loading = sorted(set(re.findall(r"still waiting for vLLM at \S+:(\d+)", inference)) - set(serving))
+        phases = [f"vLLM serving on :{', :'.join(serving)}"] if serving else []
+        phases += [f"vLLM loading on :{', :'.join(loading)}"] if loading else []
+        phases += [] if serving or loading else ["inference starting"]
+        found = re.findall(r"starting at step (\d+)", trainer)
+        phases.append(f"trainer ready at step {found[-1]}" if found else "trainer building the model")
+        if "env worker(s) serve" in orchestrator:
+            phases.append("env workers up")
+        return phases
 
     def _step_line(self, row: dict, orch: dict) -> None:
         step, total = row["step"], self.cfg.trainer.max_steps
@@ -97,6 +115,9 @@ class Progress:
             log.info(f"  eval of policy v{row['step']}: {eval_summary(row)}")
         plot = reward_plot_path(self.run_dir)
         log.info(f"run directory {self.run_dir}" + (f" (reward curve: {plot})" if plot.exists() else ""))
+        final = latest_stable_version(self.run_dir)
+        if final is not None:
+            log.info(f"final policy: {weights_path(self.run_dir, final)}")
         if ledger is not None and ledger.url():
             log.info(f"MLflow run: {ledger.url()}")
         elif ledger is not None:
@@ -106,6 +127,16 @@ class Progress:
             )
         if wandb is not None:
             log.info(f"W&B run: {wandb.where()}")
+
+
+def tail(path: Path, size: int = 16384) -> str:
+    """The last `size` bytes of a log ("" when there is none yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def eval_summary(row: dict) -> str:

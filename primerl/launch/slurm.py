@@ -18,9 +18,9 @@ from pathlib import Path
 
 import submitit
 
+from primerl.config.launcher import job_role
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed, log_tail
-from primerl.launch.config import job_role
 from primerl.launch.lease import DriverLease
 from primerl.launch.slurm_job import ModuleJob
 from primerl.transport.run_dir import inference_address_path, log_path

@@ -43,7 +43,8 @@ class Launcher(Protocol):
 
 
 def sft_needed(cfg: RunConfig) -> bool:
-    from primerl.model.start import sft_applies, sft_checkpoint_dir
+    from primerl.launch.start import sft_applies
+    from primerl.sft.cache import sft_checkpoint_dir
     from primerl.transport.atomic import is_stable
 
     if not cfg.sft.enabled:
@@ -110,7 +111,7 @@ def run_topology(
 def warm_start(cfg: RunConfig, overrides: list[str], launcher: Launcher, trackers: list, run_dir: Path) -> None:
     """The SFT warm-start when it is needed, and its results in the run's records."""
     from primerl.ledger.record import record_sft
-    from primerl.model.start import sft_checkpoint_dir
+    from primerl.sft.cache import sft_checkpoint_dir
 
     # sweep jobs with one SFT cache key take turns: the first trains it, the others find it STABLE and reuse it
     target = sft_checkpoint_dir(cfg)

@@ -30,8 +30,10 @@ from primerl.ledger.system_info import system_tags
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import ledger_record_path
 from primerl.utils.locks import locked
-from primerl.utils.log import get_logger
+from primerl.utils.log import adopt_logger, get_logger
 from primerl.utils.secrets import SECRET_KEYS, mask_overrides, mask_params, mask_text
+
+adopt_logger("mlflow")  # its own handler and format, installed at import: primerl's instead
 
 MAX_PARAM_CHARS = 6000
 log = get_logger(__name__)

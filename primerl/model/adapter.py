@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from primerl.model.config import LoraConfig
+from primerl.config.model import LoraConfig
 from primerl.transport.atomic import atomic_dir
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.weights import ADAPTER_CONFIG_FILE, write_fingerprint

@@ -5,9 +5,9 @@ Face cache (the driver does, in its preflight; every process it starts then find
 import os
 from pathlib import Path
 
+from primerl.config.model import ModelSource
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
-from primerl.model.config import ModelSource
 from primerl.model.tiny import build_tiny_model, tiny_model_dir
 from primerl.utils.errors import ConfigError
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
 from primerl.transport.atomic import atomic_dir
 from primerl.utils.locks import locked
 

@@ -7,13 +7,15 @@ import asyncio
 
 from omegaconf import DictConfig
 
-from primerl.config.cli import hydra_app, to_run_config
+from primerl.app import hydra_app, to_run_config
+from primerl.launch.start import prepare_start_model
 from primerl.orchestrator.orchestrator import run_orchestrator
 
 
 @hydra_app()
 def main(dict_cfg: DictConfig) -> None:
-    asyncio.run(run_orchestrator(to_run_config(dict_cfg)))
+    cfg = to_run_config(dict_cfg)
+    asyncio.run(run_orchestrator(cfg, prepare_start_model(cfg)))
 
 
 if __name__ == "__main__":

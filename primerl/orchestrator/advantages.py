@@ -14,7 +14,7 @@ A group whose rewards are all equal gets zero advantages under every estimator: 
 
 import math
 
-from primerl.orchestrator.config import ADVANTAGES
+from primerl.config.orchestrator import ADVANTAGES
 
 GRPO_EPS = 1e-6
 

@@ -30,9 +30,9 @@ import asyncio
 import collections
 import time
 
+from primerl.config.orchestrator import OrchestratorConfig
 from primerl.envs.types import RolloutRunner
 from primerl.metrics import OrchestratorMetric as M
-from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.dispatcher import Dispatcher
 from primerl.orchestrator.sink import Cut, Sink
 from primerl.orchestrator.source import TaskSource

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from primerl.config.eval import EvalConfig
 from primerl.envs.scoring import run_tasks, summarize
-from primerl.eval.config import EvalConfig
 from primerl.metrics import EVAL, append_metrics, read_metrics
 from primerl.orchestrator.types import Policy
 from primerl.utils.log import get_logger

@@ -1,25 +1,24 @@
-"""Wiring of the orchestrator process: the envs served (in process or in worker pools), the rollout runners over the
-inference replicas, the online evals, the watcher, the writer and the cut loop (primerl.orchestrator.loop), which
-holds the components' invariants."""
+"""Wiring of the orchestrator process: the replicas' clients, the rollout runners and online evals
+(primerl.orchestrator.runners), the watcher, the writer and the cut loop (primerl.orchestrator.loop), which holds the
+components' invariants."""
 
 import asyncio
 import contextlib
 import gc
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
-from primerl.envs.types import RolloutRunner
 from primerl.orchestrator.gauges import IdleSampler
 from primerl.orchestrator.loop import Orchestrator
+from primerl.orchestrator.runners import online_evals, training_envs
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
 from primerl.orchestrator.types import Policy
 from primerl.orchestrator.writer import BatchWriter
-from primerl.transport.run_dir import scratch_prefix
 from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -31,98 +30,10 @@ if TYPE_CHECKING:
 log = get_logger("orchestrator")
 
 
-async def training_envs(
-    cfg: RunConfig, model_path: str, stack: contextlib.AsyncExitStack, replicas: "Replicas", pools: "list[EnvWorkers]"
-) -> tuple[RolloutRunner, Iterable, list[str]]:
-    """The rollout runner (over the inference `replicas`) and task stream of the training env, or of the `mixture`
-    (primerl.envs.mixture) with its env names; every env served inside `stack`."""
-    from primerl.envs.mixture import mixed_tasks
-    from primerl.envs.serving import serve_envs
-
-    orch = cfg.orchestrator
-    envs, workers = await serve_envs(cfg.mixture or [cfg.env], stack, pools, scratch_prefix(cfg.output_dir, "env"))
-    streams = {name: env.taskset for name, env in envs.items()}
-    runner = replica_runner(
-        envs, workers, cfg, model_path, replicas, orch.temperature, orch.max_tokens, bool(cfg.mixture)
-    )
-    if not cfg.mixture:
-        return runner, streams[cfg.env.id], []
-    weights = {entry.id: entry.weight for entry in cfg.mixture}
-    log.info(
-        "training on a mixture: %s", ", ".join(f"{name} {w / sum(weights.values()):.2f}" for name, w in weights.items())
-    )
-    return runner, mixed_tasks(streams, weights, cfg.seed), list(envs)
-
-
-def replica_runner(
-    envs: dict,
-    workers: dict,
-    cfg: RunConfig,
-    model_path: str,
-    replicas: "Replicas",
-    temperature: float,
-    max_tokens: int,
-    mixture: bool = False,
-) -> RolloutRunner:
-    """Rollouts of `envs` (one env, or a mixture's MixedTasks when there are several) spread over `replicas`; an env
-    with worker processes (`workers[name]`) runs its rollouts there."""
-    from primerl.envs.mixture import MixtureRunner
-    from primerl.envs.verifiers_env import EnvRunner, model_context
-    from primerl.envs.workers import WorkerRunner
-    from primerl.orchestrator.replicas import ReplicaRunner
-
-    def runner_for(base_url: str) -> RolloutRunner:
-        ctx = model_context(
-            model_path, cfg.inference, temperature, max_tokens, cfg.orchestrator.sampling_args, base_url
-        )
-        runners = {
-            name: WorkerRunner(workers[name], ctx) if name in workers else EnvRunner(env, ctx)
-            for name, env in envs.items()
-        }
-        return MixtureRunner(runners) if mixture else next(iter(runners.values()))
-
-    return ReplicaRunner([runner_for(client.base_url) for client in replicas.clients], replicas, runner_for)
-
-
-async def online_evals(
-    cfg: RunConfig,
-    model_path: str,
-    run_dir: Path,
-    stack: contextlib.AsyncExitStack,
-    replicas: "Replicas",
-    pools: "list[EnvWorkers]",
-) -> "OnlineEval | None":
-    """The online evals of `eval.every`, their envs served inside `stack`; None when off or there is nothing to
-    evaluate (no `eval.envs` and no held-out split, `env.eval_args`, of the training env)."""
-    from primerl.envs.serving import serve_envs
-    from primerl.orchestrator.online_eval import EvalSuite, OnlineEval
-
-    e, orch = cfg.eval, cfg.orchestrator
-    if not e.every:
-        return None
-    envs = list(e.envs) or [entry.held_out() for entry in cfg.mixture or [cfg.env] if entry.eval_args]
-    if not envs:
-        log.warning(
-            "eval.every=%d but no eval.envs and no training env has a held-out split (env.eval_args): no online evals",
-            e.every,
-        )
-        return None
-    suites = []
-    for env_cfg in envs:
-        served, workers = await serve_envs([env_cfg], stack, pools, scratch_prefix(cfg.output_dir, "env"))
-        env = served[env_cfg.id]
-        name = env_cfg.id if all(s.name != env_cfg.id for s in suites) else f"{env_cfg.id}#{len(suites) + 1}"
-        runner = replica_runner(
-            served, workers, cfg, model_path, replicas, e.temperature, e.max_tokens or orch.max_tokens
-        )
-        suites.append(EvalSuite(name, runner, list(itertools.islice(iter(env.taskset), e.num_tasks))))
-    return OnlineEval(suites, e, cfg.trainer.max_steps, run_dir, orch.rollout_timeout_s)
-
-
 async def connect_replicas(cfg: RunConfig, stack: contextlib.AsyncExitStack) -> "Replicas":
     """Clients of the inference replicas, open inside `stack`: at the addresses the SLURM inference jobs advertise
     (on several nodes with launcher.inference_jobs > 1), else at the config's."""
-    from primerl.inference.config import replica_urls
+    from primerl.config.inference import replica_urls
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.replicas import Replicas
     from primerl.transport.address import advertised_urls
@@ -196,13 +107,13 @@ def make_watcher(cfg: RunConfig, replicas: "Replicas", policy: Policy, online_ev
     )
 
 
-async def run_orchestrator(cfg: RunConfig) -> None:
-    """The real thing: verifiers envs, vLLM replicas, the run directory."""
+async def run_orchestrator(cfg: RunConfig, model_path: str) -> None:
+    """The real thing: verifiers envs, vLLM replicas, the run directory; `model_path` the model the run starts from
+    (its tokenizer is the policy's)."""
     from primerl.envs.verifiers_env import expose_api_key
-    from primerl.model.start import prepare_start_model
 
     expose_api_key(cfg.inference)  # before any env worker starts: they inherit it
-    run_dir, model_path = Path(cfg.output_dir), prepare_start_model(cfg)
+    run_dir = Path(cfg.output_dir)
     # A cancelled rollout's last request can reach verifiers' interception server after its secret was revoked: a
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)

@@ -16,9 +16,9 @@ Invariants:
 
 from dataclasses import dataclass, field
 
+from primerl.config.orchestrator import FilterConfig
 from primerl.envs.types import Rollout
 from primerl.orchestrator.advantages import group_advantages
-from primerl.orchestrator.config import FilterConfig
 from primerl.orchestrator.types import FinishedGroup
 from primerl.transport.batches import Sample
 

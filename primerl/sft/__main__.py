@@ -16,15 +16,15 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from primerl.config.cli import hydra_app, to_run_config
+from primerl.app import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
+from primerl.config.sft import SftConfig, SftLora
+from primerl.config.trainer import OptimConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.model.resolve import prepare_base_model
-from primerl.model.start import sft_checkpoint_dir, sft_trains_lora
-from primerl.sft.config import SftConfig, SftLora
+from primerl.sft.cache import sft_checkpoint_dir, sft_trains_lora
 from primerl.sft.data import IGNORE, conversation_example, pack
 from primerl.sft.source import check_demonstrations, demonstration_batches
-from primerl.trainer.config import OptimConfig
 from primerl.trainer.dist import DistInfo, all_reduce_sum, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.lr_schedule import warmup_cosine

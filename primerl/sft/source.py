@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import generate
 from primerl.model.resolve import prepare_base_model
-from primerl.model.start import sft_checkpoint_dir, sft_data_source
+from primerl.sft.cache import sft_checkpoint_dir, sft_data_source
 from primerl.sft.data import Conversation, conversation_example, load_conversations
 from primerl.transport.atomic import is_stable
 from primerl.utils.errors import ConfigError

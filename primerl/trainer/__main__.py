@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from primerl.config.cli import hydra_app, to_run_config
+from primerl.app import hydra_app, to_run_config
 from primerl.config.schema import RunConfig
+from primerl.config.trainer import TrainerConfig
 from primerl.config.validate import resolve_dp_shard
+from primerl.launch.start import prepare_start_adapter, prepare_start_model
 from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
-from primerl.model.start import prepare_start_adapter, prepare_start_model
 from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_checkpointer
-from primerl.trainer.config import TrainerConfig
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from primerl.trainer.config import REDUCTIONS, LossConfig
+from primerl.config.trainer import REDUCTIONS, LossConfig
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss_terms import per_sequence, segments, token_terms
 from primerl.utils.errors import ConfigError

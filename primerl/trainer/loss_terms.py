@@ -26,7 +26,7 @@ Every type also drops the tokens outside primerl's trust region (mask_ratio_low 
 
 import torch
 
-from primerl.trainer.config import CUSTOM_LOSS_PARAMETERS, LOSS_TYPES
+from primerl.config.trainer import CUSTOM_LOSS_PARAMETERS, LOSS_TYPES
 from primerl.utils.dotted import load_function
 from primerl.utils.errors import ConfigError
 

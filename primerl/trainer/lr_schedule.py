@@ -2,7 +2,7 @@
 
 import math
 
-from primerl.trainer.config import LrScheduleConfig
+from primerl.config.trainer import LrScheduleConfig
 
 
 def warmup_cosine(step: int, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

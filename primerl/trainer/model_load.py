@@ -35,9 +35,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from primerl.config.model import LoraConfig
+from primerl.config.trainer import TrainerConfig
 from primerl.model.adapter import add_adapters, base_param_name, is_adapter_param, peft_key, start_value
-from primerl.model.config import LoraConfig
-from primerl.trainer.config import TrainerConfig
 from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import DistInfo, data_mesh, mixed_precision, shard_model
 from primerl.trainer.logprobs import ScoresHead

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from primerl.config.weights import WeightsConfig, WeightTransport
 from primerl.trainer.trainer import Trainer
 from primerl.trainer.weights import export_specs, export_stream
 from primerl.transport.atomic import is_stable, remove_published
 from primerl.transport.collective import WeightSender
-from primerl.transport.config import WeightsConfig, WeightTransport
 from primerl.transport.offer import Offer, in_buckets, plan_buckets, publish_offer, read_offer
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import (

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from primerl.config.model import LoraConfig
+from primerl.config.trainer import OptimConfig, TrainerConfig
 from primerl.model.adapter import is_adapter_param, merge_adapters, save_adapter
-from primerl.model.config import LoraConfig
 from primerl.trainer.checkpoint import load_checkpoint
-from primerl.trainer.config import OptimConfig, TrainerConfig
 from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import DistInfo, all_reduce_sums
 from primerl.trainer.expert_parallel import scale_expert_grads

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from primerl.inference.config import InferenceConfig, replica_urls
+from primerl.config.inference import InferenceConfig, replica_urls
 from primerl.transport.atomic import atomic_file
 from primerl.transport.run_dir import inference_address_path
 

@@ -1,4 +1,4 @@
-"""The two failures a primerl process reports in one clear line (primerl.config.cli.hydra_app): a `ConfigError`
+"""The two failures a primerl process reports in one clear line (primerl.app.hydra_app): a `ConfigError`
 (exit 2) for a config value that cannot work, and a `RunError` (exit 1) for a corrupt file, a failed write, training
 that went non-finite, an environment that fails every rollout. Anything else that escapes is a bug, and keeps its
 traceback. A leaf module: raising either imports nothing else of primerl."""

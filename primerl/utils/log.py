@@ -47,3 +47,13 @@ def configure_logging() -> None:
     root.setLevel(logging.WARNING)
     logging.getLogger("primerl").setLevel(os.environ.get("PRIMERL_LOG_LEVEL", "INFO").upper())
     _configured = True
+
+
+def adopt_logger(name: str) -> None:
+    """Let a library's logger (MLflow's, which installs a handler and a format of its own at import) print through
+    primerl's handlers and format instead, at WARNING and above as every other library."""
+    adopted = logging.getLogger(name)
+    for handler in list(adopted.handlers):
+        adopted.removeHandler(handler)
+    adopted.propagate = True
+    adopted.setLevel(logging.WARNING)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from transformers import AutoModelForCausalLM
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
 from primerl.trainer.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
 from primerl.trainer.dist import close_distributed, data_mesh, init_distributed, main_rank_first, shard_model

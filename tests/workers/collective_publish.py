@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from primerl.trainer.config import OptimConfig, TrainerConfig
+from primerl.config.trainer import OptimConfig, TrainerConfig
+from primerl.config.weights import WeightsConfig, WeightTransport
 from primerl.trainer.dist import close_distributed, init_distributed
 from primerl.trainer.publish import Publisher
 from primerl.trainer.trainer import Trainer
 from primerl.transport.atomic import is_stable
 from primerl.transport.collective import WeightReceiver
-from primerl.transport.config import WeightsConfig, WeightTransport
 from primerl.transport.offer import read_offer
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import answer_offer, published_fingerprint

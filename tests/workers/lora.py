@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from primerl.model.config import LoraConfig
+from primerl.config.model import LoraConfig
+from primerl.config.trainer import OptimConfig, TrainerConfig
 from primerl.trainer.checkpoint import save_checkpoint
-from primerl.trainer.config import OptimConfig, TrainerConfig
 from primerl.trainer.dist import close_distributed, init_distributed
 from primerl.trainer.model_load import AdapterSpec
 from primerl.trainer.trainer import Trainer

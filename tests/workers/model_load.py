@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from primerl.trainer.config import OptimConfig, TrainerConfig
+from primerl.config.trainer import OptimConfig, TrainerConfig
 from primerl.trainer.dist import close_distributed, init_distributed
 from primerl.trainer.trainer import Trainer
 from primerl.trainer.weights import full_state_dict

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from primerl.model.config import TinyArchConfig
+from primerl.config.model import TinyArchConfig
+from primerl.config.trainer import OptimConfig, TrainerConfig
 from primerl.model.tiny import build_tiny_model
-from primerl.trainer.config import OptimConfig, TrainerConfig
 from primerl.trainer.dist import close_distributed, init_distributed, main_rank_first
 from primerl.trainer.trainer import Trainer
 from primerl.trainer.weights import full_state_dict

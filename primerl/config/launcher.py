@@ -36,7 +36,7 @@ class LauncherConfig:
     inference_gpu_ids: list[str] = field(default_factory=list)
     trainer_gpu_ids: list[str] = field(default_factory=list)
     # ... unless this is set: on a one-GPU machine every process uses GPU 0, vLLM bounded to half its memory
-    # (primerl/config/gpus.py)
+    # (primerl/inference/gpus.py)
     share_gpu: bool = False
     # the inference.replicas are served by this many jobs, on any nodes, inference.replicas / inference_jobs each
     inference_jobs: int = bounded(1, ge=1)

@@ -18,7 +18,7 @@ class EnvConfig:
     runtime: str = "subprocess"
     args: dict[str, Any] = field(default_factory=dict)  # the taskset's own config fields
     # merged over `args` for evaluation: the env's held-out split (e.g. primerl-reverse-text's {stream: eval}); the default
-    # online eval env when there is one (primerl.eval.config)
+    # online eval env when there is one (primerl.config.eval)
     eval_args: dict[str, Any] = field(default_factory=dict)
     # rollouts run in this many worker processes (a verifiers EnvServer each; primerl.envs.workers), not in the
     # orchestrator's event loop: an env's CPU work or crash then costs only its own rollouts. 0: in-process.

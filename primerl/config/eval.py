@@ -3,7 +3,7 @@ the run config, not a group)."""
 
 from dataclasses import dataclass, field
 
-from primerl.envs.config import EnvConfig
+from primerl.config.env import EnvConfig
 from primerl.utils.bounds import bounded
 
 

@@ -27,7 +27,7 @@ from primerl.config.validate import validate
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import configure_logging, get_logger
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # package data: installed with primerl
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data: installed with primerl
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra prints help or information and exits.
 _SKIP_PREFLIGHT = {"--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
@@ -203,6 +203,17 @@ def _process_name(task: Callable) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+def help_header(task: Callable) -> str:
+    """The override that opens `primerl COMMAND --help` with what the command does: its module's docstring."""
+    module = sys.modules.get(task.__module__)
+    doc = (getattr(module, "__doc__", None) or "").strip().split("\n\n")[0]
+    if doc.startswith("`") and "`: " in doc:  # "`python -m primerl.eval`: score ..." -> "score ..."
+        doc = doc.split("`: ", 1)[1]
+    name = _process_name(task)
+    text = f"primerl {name}: {doc}\n" if doc else f"primerl {name}\n"
+    return "hydra.help.header=" + "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], object]], Callable[[], object]]:
     """Decorator: `@hydra_app()` over `def main(cfg: DictConfig)` gives a checked Hydra entry point."""
 
@@ -226,6 +237,8 @@ def hydra_app(config_name: str = "config") -> Callable[[Callable[[DictConfig], o
 
         @functools.wraps(task)
         def entry() -> object:
+            if any(a in ("--help", "-h") for a in sys.argv[1:]):
+                sys.argv.append(help_header(task))
             preflight(sys.argv[1:], config_name)
             return hydra_main()
 

@@ -16,8 +16,8 @@ On a machine without CUDA the plan is empty.
 import os
 from dataclasses import dataclass
 
-from primerl.inference.config import InferenceConfig, server_count
-from primerl.launch.config import LauncherConfig
+from primerl.config.inference import InferenceConfig, server_count
+from primerl.config.launcher import LauncherConfig
 from primerl.utils.errors import ConfigError
 
 SHARED_GPU_MAX_UTILIZATION = 0.5  # vLLM's share of a GPU it shares with the trainer

@@ -25,9 +25,9 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from primerl.app import CONF_DIR
 from primerl.config.schema import RunConfig
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 INSTANTIATION = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
 # settings whose values are code: shell lines, sbatch options, vLLM flags (`--worker-extension-cls`,
 # `--middleware` and `--trust-remote-code` import or run code), a loss function by import path

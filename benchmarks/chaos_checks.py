@@ -1,0 +1,115 @@
+"""The chaos soak's checks of a run after its faults (benchmarks/chaos.py): every step trained once, every batch
+consumed once, the record complete, nothing left behind."""
+
+import json
+from pathlib import Path
+
+from benchmarks.chaos_soak import RIDDEN, SAMPLE_EVERY, Soak
+from primerl.launch.leftovers import run_processes
+from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER, read_metrics
+from primerl.transport.atomic import stale_temporaries
+from primerl.transport.batches import read_rollout_batch
+from primerl.transport.run_dir import rollout_path, samples_path, scratch_dirs
+
+
+def check_steps(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bool, str]]:
+    """Every step trained once, every batch consumed once, nothing rewound."""
+    checks = []
+    trainer_steps = [r["step"] for r in read_metrics(run, TRAINER)]
+    checks.append(("trainer rows 0..steps-1 once", trainer_steps == list(range(steps)), f"{len(trainer_steps)} rows"))
+    log = (run / "logs" / "trainer.log").read_text()
+    reports = [
+        line for line in log.splitlines() if "update skipped" not in line
+    ]  # a NaN step's warning is not a report
+    twice = [s for s in range(steps) if sum(f"trainer: step {s}:" in line for line in reports) > 1]
+    starts = [
+        int(line.split("trainer: starting at step ")[1].split()[0])
+        for line in log.splitlines()
+        if "trainer: starting at step " in line
+    ]
+    checks.append(("no step trained twice", not twice, f"trained twice: {twice or 'none'}"))
+    checks.append(
+        ("restarts resume, never rewind", starts == sorted(starts) and starts[0] == 0, f"trainer starts at {starts}")
+    )
+    skipped, nans = log.count("not finite: update skipped"), sum(f["kind"] == "nan_step" for f in faults)
+    checks.append(("one skipped update per NaN step", skipped == nans, f"{skipped} skipped, {nans} NaN steps"))
+    orch_steps = [r["step"] for r in read_metrics(run, ORCHESTRATOR)]
+    checks.append(("batches 0..steps-1 once", orch_steps == list(range(steps)), f"{len(orch_steps)} rows"))
+    olog = (run / "logs" / "orchestrator.log").read_text()
+    positions = [read_rollout_batch(rollout_path(run, s)).data_position for s in range(steps)]
+    equal = sum(a == b for a, b in zip(positions, positions[1:]))
+    checks.append(
+        (
+            "data positions never rewound",
+            positions == sorted(positions),
+            f"{positions[0]}..{positions[-1]}, {equal} equal neighbours",
+        )
+    )
+    evals = [r["step"] for r in read_metrics(run, EVAL)]
+    checks.append(
+        (
+            "online evals once per version",
+            evals == sorted(set(evals)) and evals[:1] == [0] and evals[-1:] == [steps],
+            f"at policy versions {evals}",
+        )
+    )
+    checks.append(
+        ("orchestrator resumed", olog.count("resuming at step") >= 1, f"{olog.count('resuming at step')} resumes")
+    )
+    back, kills = olog.count(" is back, serving v"), sum(f["kind"].startswith("vllm") for f in faults)
+    checks.append(("a killed vLLM server came back each time", back >= kills, f"{back} returns, {kills} kills"))
+    return checks
+
+
+def check_record(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bool, str]]:
+    """The MLflow record complete: FINISHED, each metric row once, one trace per sampled rollout; torn lines skipped."""
+    from mlflow.tracking import MlflowClient
+
+    record = json.loads((run / "ledger.json").read_text())
+    client = MlflowClient(record["tracking_uri"])
+    checks = [("MLflow run FINISHED", (status := client.get_run(record["run_id"]).info.status) == "FINISHED", status)]
+    finite = [r["step"] for r in read_metrics(run, TRAINER) if r["loss"] is not None]  # a NaN step's loss: no point
+    for name, want in (("trainer/loss", finite), ("orchestrator/reward/mean", list(range(steps)))):
+        history = sorted(m.step for m in client.get_metric_history(record["run_id"], name))
+        checks.append((f"{name} once per step with a value", history == want, f"{len(history)} points"))
+    sampled, torn = [], 0
+    for line in samples_path(run).read_text().splitlines():
+        try:
+            sampled.append(json.loads(line))
+        except ValueError:
+            torn += 1
+    tears = sum(f["kind"] == "torn_samples" for f in faults)
+    checks.append(("each torn samples line alone, skipped", torn == tears, f"{torn} bad lines, {tears} torn"))
+    expected = len([s for s in sampled if s["step"] % SAMPLE_EVERY == 0])
+    traces, token = 0, None
+    while True:  # pages of at most 100, as a tracking server serves them
+        page = client.search_traces(
+            locations=[record["experiment_id"]], run_id=record["run_id"], page_token=token, include_spans=False
+        )
+        traces, token = traces + len(page), page.token
+        if not token:
+            break
+    checks.append(("one trace per sampled rollout", traces == expected, f"{traces} traces, {expected} rows"))
+    return checks
+
+
+def check_faults(soak: Soak) -> list[tuple[str, bool, str]]:
+    """Nothing left behind; the run rode through every fault it should; every second run refused at once."""
+    run = soak.run
+    checks = [("no orphans after any kill", not soak.orphans, "; ".join(soak.orphans) or "none")]
+    checks.append(("no process of the run left", not run_processes(run), str(run_processes(run) or "none")))
+    stale = stale_temporaries(run) + scratch_dirs(run)
+    checks.append(("no stray temporaries", not stale, ", ".join(map(str, stale)) or "none"))
+    for kind in RIDDEN:
+        ridden = [f for f in soak.faults if f["kind"] == kind]
+        detail = ", ".join(f"{f['recovered_s']} s ({f['steps_during']} during)" for f in ridden) or "none"
+        checks.append((f"the run went on through every {kind}", all(f["went_on"] for f in ridden), detail))
+    seconds = [f["second"] for f in soak.faults if "second" in f]
+    checks.append(
+        (
+            "second runs refused at once, nothing of them left",
+            all(s["refused"] and not s["left"] for s in seconds),
+            "; ".join(f"exit {s['exit']} after {s['seconds']} s: {s['line']}" for s in seconds) or "none",
+        )
+    )
+    return checks
