@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from primerl.ledger.seed_groups import group, mean_curves, seed_table, setting_keys, summarize
 from primerl.plot import plot_curves
+from primerl.utils.secrets import SECRET_KEYS
 
 REWARD = "orchestrator/reward/mean"
 FINAL_METRICS = (REWARD, "trainer/loss", "trainer/mismatch_kl", "orchestrator/rollouts/failed")
@@ -41,14 +42,17 @@ def rerun_family(client: MlflowClient, run_id: str) -> list:
     return [original, *reruns]
 
 
-def select_runs(client: MlflowClient, experiment: str | None, sweeps: list[str], filter_string: str) -> list:
-    """The runs of `experiment` (every one when None) that pass `filter_string`: those of each of `sweeps` in turn
-    (a parent run id or a sweep directory each), or all of them when `sweeps` is empty."""
+def select_runs(
+    client: MlflowClient, experiment: str | None, sweeps: list[str], filter_string: str, kind: str = "train"
+) -> list:
+    """The runs of `kind` (train, sft or eval: the `primerl.kind` tag) of `experiment` (every one when None) that
+    pass `filter_string`: those of each of `sweeps` in turn (a parent run id or a sweep directory each), or all of
+    them when `sweeps` is empty. A sweep's parent run is never one of them."""
     experiments = [client.get_experiment_by_name(experiment)] if experiment else client.search_experiments()
     ids = [e.experiment_id for e in experiments if e is not None]
     if not ids:
         raise SystemExit(f"compare: no experiment named '{experiment}' in {client.tracking_uri}")
-    clauses = [f for f in [filter_string, "tags.`primerl.kind` != 'sweep'"] if f]
+    clauses = [f for f in [filter_string, f"tags.`primerl.kind` = '{kind}'"] if f]
     runs = []
     for sweep in sweeps or [None]:
         these = list(clauses)
@@ -61,7 +65,8 @@ def select_runs(client: MlflowClient, experiment: str | None, sweeps: list[str],
 
 
 def differing_params(runs: list) -> list[str]:
-    keys = sorted({k for r in runs for k in r.data.params if not k.startswith(NOISY_PARAMS)})
+    """The settings whose values differ between `runs`; paths, results and secrets (masked) are not settings."""
+    keys = sorted({k for r in runs for k in r.data.params if not k.startswith(NOISY_PARAMS) and k not in SECRET_KEYS})
     return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
 
 
@@ -123,6 +128,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rerun-of", help="a run id: that run and its reruns (primerl rerun)")
     parser.add_argument(
+        "--kind", default="train", choices=("train", "sft", "eval"), help="which runs (default: %(default)s)"
+    )
+    parser.add_argument(
         "--filter", default="", help="an MLflow search filter, e.g. \"params.seed = '1'\" (default: none)"
     )
     parser.add_argument(
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rerun_of:
         runs = rerun_family(client, args.rerun_of)
     else:
-        runs = select_runs(client, args.experiment, args.sweep, args.filter)
+        runs = select_runs(client, args.experiment, args.sweep, args.filter, args.kind)
     if not runs:
         print("compare: no runs match", file=sys.stderr)
         return 1

@@ -1,4 +1,7 @@
-"""`primerl rerun RUN_ID [--force] [--dry-run] [OVERRIDES...]`: run a recorded run again from its MLflow record.
+"""`primerl rerun RUN [--force] [--dry-run] [OVERRIDES...]`: run a recorded run again from its MLflow record.
+
+RUN is the MLflow run id the run's summary printed, a unique prefix of it (8 characters or more), or the run's
+directory (its `ledger.json` names the id).
 
 The command is rebuilt from the record: the run's overrides (its `config/overrides.yaml` artifact, else
 `<run_dir>/.hydra/overrides.yaml`), its seeds (tags `seed`, `model.init_seed`) and the experiment they name; the
@@ -20,6 +23,7 @@ asked about on a terminal, and refused elsewhere, unless `--trust`.
 
 import argparse
 import getpass
+import json
 import os
 import shlex
 import subprocess
@@ -34,8 +38,10 @@ from mlflow.tracking import MlflowClient
 from primerl.compare import default_uri
 from primerl.ledger.system_info import system_tags
 from primerl.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
+from primerl.transport.run_dir import ledger_record_path
 from primerl.utils.secrets import MASK
 
+MIN_PREFIX = 8  # the shortest id prefix accepted: 16^8 ids, so one in a store of thousands of runs is unique
 LEFT_OUT = ("output_dir=", "hydra.run.dir=", "hydra.sweep.dir=", "seed=", "model.init_seed=", "ledger.tags.rerun_of=")
 
 
@@ -62,6 +68,37 @@ def recorded_overrides(client: MlflowClient, run, trusted: bool = False) -> list
         return check_recorded([*kept, *seeds], trusted)
     except UnsafeOverride as err:
         raise Refused(f"run {run.info.run_id} records an override it may not carry: {err}") from None
+
+
+def find_run(client: MlflowClient, ref: str, uri: str):
+    """The run `ref` names: a run directory, a run id, or a unique prefix of one; Refused otherwise."""
+    record = ledger_record_path(ref)
+    if record.is_file():
+        ref = json.loads(record.read_text())["run_id"]
+    try:
+        return client.get_run(ref)
+    except MlflowException:
+        pass
+    if len(ref) < MIN_PREFIX or not all(c in "0123456789abcdef" for c in ref):
+        raise Refused(
+            f"no run {ref} in {uri} (give a run id, {MIN_PREFIX}+ of its first characters, or a run directory)"
+        )
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    matches = [run for page in _pages(client, experiments) for run in page if run.info.run_id.startswith(ref)]
+    if len(matches) != 1:
+        found = "no run" if not matches else f"{len(matches)} runs"
+        raise Refused(f"{found} with an id starting {ref} in {uri}")
+    return matches[0]
+
+
+def _pages(client: MlflowClient, experiments: list[str]):
+    token = None
+    while experiments:
+        page = client.search_runs(experiments, max_results=1000, page_token=token)
+        yield page
+        token = page.token
+        if not token:
+            return
 
 
 def record_writer(run, uri: str) -> str | None:
@@ -98,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="primerl rerun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("run_id", help="the MLflow run id of the run to repeat")
+    parser.add_argument("run_id", help="the run to repeat: its MLflow run id, a unique prefix of it, or its directory")
     parser.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else the sqlite store in --store-dir")
     parser.add_argument("--store-dir", default="outputs", help="the embedded store's directory (default: outputs)")
     parser.add_argument("--force", action="store_true", help="go on at another commit or with uncommitted changes")
@@ -108,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, extra = parser.parse_known_args(argv)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(args.store_dir)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        print(f"rerun: no ledger at {uri} (--store-dir or --tracking-uri)", file=sys.stderr)
+        return 2  # an MlflowClient would create an empty store there
     client = MlflowClient(uri)
     try:
-        try:
-            run = client.get_run(args.run_id)
-        except MlflowException as err:
-            raise Refused(f"no run {args.run_id} in {uri}") from err
+        run = find_run(client, args.run_id, uri)
+        run_id = run.info.run_id
         recorded = recorded_overrides(client, run, args.trust)
-        overrides = [*recorded, f"+ledger.tags.rerun_of='{args.run_id}'", *extra]
+        overrides = [*recorded, f"+ledger.tags.rerun_of='{run_id}'", *extra]
         warning = check_commit(run, args.force)
     except Refused as err:
         print(f"rerun: {err}", file=sys.stderr)
@@ -128,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     writer = None if args.trust else record_writer(run, uri)
-    if writer is not None and not confirm(shown, writer, f"run {args.run_id}'s record"):
+    if writer is not None and not confirm(shown, writer, f"run {run_id}'s record"):
         print(f"rerun: not run: the record was written by {writer} (read it, then --trust)", file=sys.stderr)
         return 2
     return subprocess.run(cmd).returncode

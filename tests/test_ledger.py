@@ -50,7 +50,7 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
     assert client.get_experiment(run.info.experiment_id).name == "ledger_test"
     # MLflow's own fields: Source, Created by, Git commit, Description
     tags = run.data.tags
-    assert tags["mlflow.source.name"].startswith("python -m primerl.train") and tags["mlflow.user"]
+    assert tags["mlflow.source.name"].startswith("primerl train ") and tags["mlflow.user"]
     assert tags["mlflow.source.git.commit"] == tags["git.commit"] and len(tags["git.commit"]) == 40
     assert tags["mlflow.note.content"].startswith("ledger_test: RL on env primerl-reverse-text")
     resolved_yaml = client.download_artifacts(ledger.run_id, "config/resolved.yaml", str(tmp_path))
@@ -89,6 +89,7 @@ def _sample_row(step: int, turns: int) -> dict:
             "start": start,
             "end": start + 1,
             "finish_reason": "stop",
+            "usage": {"input_tokens": 10 + turn, "output_tokens": 3},
         }
         if turn == 0:
             reply |= {"tool_calls": [{"name": "lookup", "arguments": '{"key": "x"}'}], "finish_reason": "tool_calls"}
@@ -101,7 +102,7 @@ def _sample_row(step: int, turns: int) -> dict:
         "prompt": "system: Find it.\nuser: go",
         "completion": "answer",
         "reward": 0.5,
-        "rewards": {},
+        "rewards": {"lcs": 0.25},
         "metrics": {"turns": float(turns)},
         "policy_versions": [step, step + 1],
         "messages": messages,
@@ -132,7 +133,15 @@ def test_sampled_rollouts_become_traces_exactly_once(tmp_path):
     root = spans["rollout"]
     assert root.attributes["reward"] == 0.5 and root.attributes["policy_version.last"] == 1
     assert root.attributes["metric.turns"] == 3.0 and root.attributes["task"] == "t0"
-    assert root.inputs == {"prompt": rows[0]["prompt"]}  # what the trace list's Request column shows
+    assert root.inputs == {"request": "go\n\nagain\n\nagain"}  # the user turns: the Request column
+    assert spans["turn 2"].attributes["mlflow.chat.tokenUsage"] == {
+        "input_tokens": 11,
+        "output_tokens": 3,
+        "total_tokens": 14,
+    }
+    assert traces[0].info.token_usage["total_tokens"] == 13 + 14 + 15  # the UI's token column
+    feedback = {a.name: a.value for a in traces[0].info.assessments}
+    assert feedback == {"reward": 0.5, "reward/lcs": 0.25}  # sortable and filterable in the traces table
     assert sorted(spans) == ["rollout", "tool c0", "turn 1", "turn 2", "turn 3"]
     assert spans["turn 1"].span_type == "LLM" and spans["tool c0"].span_type == "TOOL"
     assert spans["turn 1"].outputs["tool_calls"][0]["name"] == "lookup" and spans["tool c0"].outputs["content"] == "x=3"
@@ -155,10 +164,33 @@ def test_sweep_jobs_are_children_of_one_parent(tmp_path):
     assert parent.info.experiment_id == client.get_run(runs[0].run_id).info.experiment_id
 
 
+def test_a_run_is_named_by_what_tells_it_apart(monkeypatch):
+    """The swept key first, then the others in order, by their last key; no paths, ports or secrets; kind and seed."""
+    from primerl.ledger.mlflow_ledger import run_name
+
+    cfg = check(["+experiment=reverse_text", "seed=2"])
+    monkeypatch.setattr(sys, "argv", ["primerl.train", "-m", "trainer.optim.lr=1e-4,3e-4", "inference.port=9"])
+    overrides = [
+        "+experiment=reverse_text",
+        "inference.port=9",
+        "trainer.max_steps=3",
+        "ledger.store_dir=/x",
+        "inference.api_key=***",
+        "orchestrator.batch_size=16",
+        "trainer.optim.lr=3e-4",
+        "orchestrator.group_size=4",
+        "seed=2",
+    ]
+    name = run_name(cfg, "train", overrides, "sweep-1")
+    assert name == "reverse_text lr=3e-4 max_steps=3 batch_size=16 seed=2 sweep-1"
+    assert run_name(cfg, "eval", [], "2026-12-06_10-00-00") == "eval-reverse_text seed=2 2026-12-06_10-00-00"
+
+
 def test_compare_prints_differences_and_plots(tmp_path, capsys):
     sweep, jobs = tmp_path / "sweep", []
     for job, lr in enumerate(("1e-5", "3e-5")):
-        cfg, resolved = _cfg(tmp_path, "name=cmp", f"trainer.optim.lr={lr}")
+        key = ["inference.api_key=k"] * job  # a secret set in one run only: masked, and not a setting that differs
+        cfg, resolved = _cfg(tmp_path, "name=cmp", f"trainer.optim.lr={lr}", *key)
         ledger = Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job)
         for step in range(3):
             ledger.log_metrics(step, {"reward/mean": 0.1 * step * (job + 1)}, "orchestrator/")
@@ -170,10 +202,17 @@ def test_compare_prints_differences_and_plots(tmp_path, capsys):
     cfg.ledger.tags["rerun_of"] = original
     rerun = Ledger.open(cfg, resolved, tmp_path / "rerun")
     rerun.finish()
+    cfg, resolved = _cfg(tmp_path, "name=cmp", "eval.run=/somewhere")  # an eval run: not a training run to compare
+    Ledger.open(cfg, resolved, tmp_path / "eval", kind="eval").finish()
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     assert compare_main(["--tracking-uri", uri, "--rerun-of", original, "--plot", ""]) == 0
     shown = capsys.readouterr().out
     assert "2 run(s)" in shown and "settings that differ: trainer.max_steps" in shown, shown
+    assert compare_main(["--tracking-uri", uri, "--experiment", "cmp", "--plot", ""]) == 0
+    shown = capsys.readouterr().out.splitlines()[0]
+    assert "3 run(s)" in shown and "settings that differ: trainer.max_steps, trainer.optim.lr" in shown, shown
+    assert compare_main(["--tracking-uri", uri, "--experiment", "cmp", "--kind", "eval", "--plot", ""]) == 0
+    assert "1 run(s)" in capsys.readouterr().out
     plot = tmp_path / "cmp.png"
     result = run_module(
         "primerl.compare",
@@ -376,7 +415,7 @@ def test_a_torn_samples_line_is_left_out_of_the_record_not_fatal(tmp_path, caplo
     from primerl.transport.atomic import atomic_dir
     from primerl.transport.run_dir import weights_path
 
-    cfg, resolved = _cfg(tmp_path, "name=torn_test")
+    cfg, resolved = _cfg(tmp_path, "name=torn_test", "ledger.log_model=false")  # a reference: no files to save
     run_dir = tmp_path / "run"
     ledger = Ledger.open(cfg, resolved, run_dir)
     (run_dir / ".hydra").mkdir()
@@ -392,6 +431,51 @@ def test_a_torn_samples_line_is_left_out_of_the_record_not_fatal(tmp_path, caplo
     assert [a.path for a in ledger.client.list_artifacts(ledger.run_id, "samples")] == ["samples/step_000000.json"]
     models = ledger.client.search_logged_models([ledger.experiment_id], f"source_run_id = '{ledger.run_id}'")
     assert [(m.name, m.tags["primerl.policy_version"]) for m in models] == [("policy-v2", "2")]
+    ledger.finish()
+
+
+def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scores(tmp_path):
+    """The final policy's logged model holds the weights in MLflow's transformers flavor: `mlflow.transformers
+    .load_model` gives a pipeline that generates what transformers generates from the published directory. It is the
+    run's output, carries the online eval of its version, and is logged once; past `ledger.log_model_max_mb` it
+    keeps no files."""
+    import mlflow
+    import mlflow.transformers
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primerl.ledger.logged_model import record_policy
+    from primerl.model.tiny import build_tiny_model
+
+    cfg, resolved = _cfg(tmp_path, "name=model_test")
+    run_dir = tmp_path / "run"
+    ledger = Ledger.open(cfg, resolved, run_dir)
+    policy = build_tiny_model(str(tmp_path / "cache"), cfg.model.arch, 0)
+    append_metrics(run_dir, "eval", 3, {"primerl-reverse-text/reward_mean": 0.5, "primerl-reverse-text/tasks": 8})
+    model_id = record_policy(ledger, cfg, run_dir, policy, 3)
+    assert record_policy(ledger, cfg, run_dir, policy, 3) is None  # a resumed driver records it once
+    model = ledger.client.get_logged_model(model_id)
+    assert model.name == "policy-v3" and model.source_run_id == ledger.run_id
+    assert {m.key: m.value for m in model.metrics} == {
+        "eval/primerl-reverse-text/reward_mean": 0.5,
+        "eval/primerl-reverse-text/tasks": 8,
+    }
+    assert [o.model_id for o in ledger.client.get_run(ledger.run_id).outputs.model_outputs] == [model_id]
+
+    mlflow.set_tracking_uri(ledger.client.tracking_uri)
+    pipeline = mlflow.transformers.load_model(f"models:/{model_id}")
+    prompt = "abcdef"
+    shown = pipeline(prompt, max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+    tokenizer, reference = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        greedy = reference.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
+    assert shown == tokenizer.decode(greedy, skip_special_tokens=True)
+
+    cfg.ledger.log_model_max_mb = 0  # larger than the limit: a record of where the weights are, no copy
+    big = ledger.client.get_logged_model(record_policy(ledger, cfg, run_dir, policy, 4))
+    assert big.tags["primerl.weights_dir"] == str(policy) and big.params["files_in_store"] == "False"
+    assert ledger.client.list_logged_model_artifacts(big.model_id) == []
     ledger.finish()
 
 

@@ -44,6 +44,8 @@ def test_the_wheel_holds_every_config_and_checks_one_outside_the_checkout(tmp_pa
         assert f"{package}/__init__.py" in names
     entry_points = zipfile.ZipFile(wheel).read("primerl-0.1.0.dist-info/entry_points.txt").decode()
     assert "primerl = primerl.cli:main" in entry_points
+    metadata = zipfile.ZipFile(wheel).read("primerl-0.1.0.dist-info/METADATA").decode()
+    assert "Apache-2.0" in metadata and any(name.endswith("/LICENSE") for name in names)
 
     site, outside = tmp_path / "site", tmp_path / "elsewhere"
     outside.mkdir()

@@ -5,6 +5,7 @@ environment, are refused by rerun and by replay before anything runs, and anothe
 (The rerun of a trained run: tests/test_rl_e2e.py; `compare --rerun-of`: tests/test_ledger.py.)"""
 
 import getpass
+import json
 import os
 import shlex
 import subprocess
@@ -50,8 +51,15 @@ def test_the_command_is_rebuilt_from_the_record(tmp_path):
     here = system_tags()
     uri, run_id = _store_with_run(tmp_path, here["git.commit"])
     force = ["--force"] if here["git.dirty"] != "false" else []  # a checkout with edits in progress
-    result = _rerun(uri, run_id, "--dry-run", *force, "trainer.max_steps=2")
-    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "run"  # the run's directory names its MLflow run (ledger.json)
+    run_dir.mkdir()
+    (run_dir / "ledger.json").write_text(json.dumps({"run_id": run_id}))
+    shown = set()
+    for ref in (run_id, run_id[:8], str(run_dir)):  # the id, the prefix, or the run directory
+        result = _rerun(uri, ref, "--dry-run", *force, "trainer.max_steps=2")
+        assert result.returncode == 0, result.stderr
+        shown.add(result.stdout)
+    assert len(shown) == 1
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("rerun: ")]
     args = shlex.split(line.removeprefix("rerun: "))[2:]  # after "-m primerl.train"
     assert args == [
@@ -66,11 +74,17 @@ def test_the_command_is_rebuilt_from_the_record(tmp_path):
     assert cfg.ledger.tags == {"rerun_of": run_id} and cfg.seed == 7 and cfg.trainer.max_steps == 2
 
 
-@pytest.mark.parametrize("case", ["other commit", "unknown run"])
+@pytest.mark.parametrize("case", ["other commit", "unknown run", "short prefix", "no store"])
 def test_refusals_are_one_line(tmp_path, case):
     uri, run_id = _store_with_run(tmp_path, "0" * 40)
     if case == "unknown run":
-        result, message = _rerun(uri, "f" * 32, "--dry-run"), "no run ffffffff"
+        result, message = _rerun(uri, "f" * 32, "--dry-run"), "no run with an id starting ffffffff"
+    elif case == "short prefix":
+        result, message = _rerun(uri, run_id[:4], "--dry-run"), "8+ of its first characters"
+    elif case == "no store":  # a mistyped store is reported, not created empty
+        absent = tmp_path / "elsewhere" / "mlflow.db"
+        result, message = _rerun(f"sqlite:///{absent}", run_id, "--dry-run"), "no ledger at"
+        assert not absent.exists()
     else:
         result, message = _rerun(uri, run_id, "--dry-run"), "the run ran commit 000000000000"
         forced = _rerun(uri, run_id, "--dry-run", "--force")

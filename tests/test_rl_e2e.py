@@ -183,9 +183,12 @@ def _check_ledger(run, trainer_rows):
     traces = client.search_traces(locations=[record["experiment_id"]], run_id=record["run_id"])
     assert len(traces) == len([s for s in sampled if s["step"] % 5 == 0]) > 0
     assert (run / "reward.png").stat().st_size > 1000
-    # the final policy among the run's logged models, a reference to its weights directory
+    # the final policy as the run's logged model: its weights in MLflow's transformers flavor, its eval scores
     (model,) = client.search_logged_models([record["experiment_id"]], f"source_run_id = '{record['run_id']}'")
     assert model.name == "policy-v3" and model.tags["primerl.weights_dir"] == tags["checkpoint.final"]
+    assert "MLmodel" in {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert "model/model.safetensors" in {a.path for a in client.list_logged_model_artifacts(model.model_id, "model")}
+    assert "eval/primerl-reverse-text/reward_mean" in {m.key for m in model.metrics}
 
 
 def save_qwen3_model(directory) -> None:
@@ -532,6 +535,11 @@ def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores
     experiment = client.get_experiment_by_name("reverse_text").experiment_id
     (recorded,) = client.search_runs([experiment], "tags.`primerl.kind` = 'eval'")  # beside the run it scored
     assert recorded.data.tags["primerl.kind"] == "eval" and recorded.data.tags["eval.model"] == policy
+    trained = json.loads((run / "ledger.json").read_text())["run_id"]  # the eval names the run it scored
+    assert recorded.data.tags["eval.run_id"] == trained and recorded.data.tags["eval.step"] == "3"
+    assert recorded.info.run_name.startswith("eval-reverse_text ")
+    assert client.get_run(trained).info.run_name.startswith("reverse_text max_steps=3 batch_size=16 group_size=4 seed=0 ")
+    assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
     assert recorded.data.metrics["eval/faulty-reverse-text/reward_mean"] == pytest.approx(summary["reward_mean"])
     assert "eval/faulty-reverse-text/pass_at_2" in recorded.data.metrics
 

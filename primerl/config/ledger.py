@@ -26,6 +26,10 @@ class LedgerConfig:
     sample_every: int = bounded(5, ge=1)  # log sample rollouts (JSON artifact and MLflow traces) every N steps
     # MLflow's system metrics (CPU, memory, disk, network, GPU) of the launching machine, sampled every N s; 0: off
     system_metrics_s: float = bounded(10.0, ge=0)
+    # the final policy as the run's logged model, its files in the store up to log_model_max_mb (primerl.ledger.logged_model);
+    # off, or past the size, the model records where the weights are
+    log_model: bool = True
+    log_model_max_mb: int = bounded(2048, ge=0)
     # extra MLflow tags on the run (`+ledger.tags.team=rl`); `primerl rerun` sets rerun_of to the run it repeats
     tags: dict[str, str] = field(default_factory=dict)
     wandb: WandbConfig = field(default_factory=WandbConfig)

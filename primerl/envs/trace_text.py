@@ -32,7 +32,8 @@ def prompt_text(trace: vf.Trace) -> str:
 def transcript(trace: vf.Trace, max_chars: int = 500) -> list[dict]:
     """The last branch's conversation for people (samples.jsonl, the ledger's MLflow traces): per message its role,
     text (first `max_chars`), tool calls, and when, in unix seconds: a model reply from its request to its response
-    (`start`, `end`), any other message when it was recorded (`end`)."""
+    (`start`, `end`, with its token `usage` when the server reported it), any other message when it was recorded
+    (`end`)."""
     if not trace.branches:
         return []
     branch = trace.branches[-1]
@@ -43,6 +44,9 @@ def transcript(trace: vf.Trace, max_chars: int = 500) -> list[dict]:
         entry: dict = {"role": message.role, "content": _text(message.content)[:max_chars], "end": node.timestamp}
         if message.role == "assistant" and node.sampled and (call := next(calls, None)) is not None:
             entry |= {"start": call.time.start, "end": call.time.end, "finish_reason": call.finish_reason}
+            if call.usage is not None:  # the server's own count: prompt tokens (cache reads included), sampled tokens
+                prompt = call.usage.prompt_tokens + (call.usage.cached_input_tokens or 0)
+                entry["usage"] = {"input_tokens": prompt, "output_tokens": call.usage.completion_tokens}
         if tool_calls := getattr(message, "tool_calls", None):
             entry["tool_calls"] = [{"name": c.name, "arguments": c.arguments[:max_chars]} for c in tool_calls]
         if message.role == "tool":

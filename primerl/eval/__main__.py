@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ from primerl.config.schema import RunConfig
 from primerl.envs.scoring import TaskResult, run_tasks, summarize
 from primerl.model.adapter import adapter_settings
 from primerl.transport.atomic import is_stable, write_json
-from primerl.transport.run_dir import eval_summary_path, weights_path
+from primerl.transport.run_dir import eval_summary_path, ledger_record_path, weights_path
 from primerl.transport.weights import is_adapter, is_offer, latest_stable_version
 from primerl.utils.errors import ConfigError
 from primerl.utils.log import get_logger
@@ -185,12 +186,20 @@ def main(dict_cfg: DictConfig) -> None:
         from primerl.ledger.mlflow_ledger import Ledger
 
         ledger = Ledger.open(cfg, dict_cfg, out_dir.resolve(), kind="eval")
-        ledger.set_tags({"eval.model": model_path, "eval.env": env_id})
+        ledger.set_tags({"eval.model": model_path, "eval.env": env_id, **scored_run(cfg, step)})
         # MLflow metric names take no "@"
         numbers = {key.replace("@", "_at_"): value for key, value in summary.items() if isinstance(value, int | float)}
         ledger.log_metrics(step or 0, numbers, f"eval/{env_id}/")
         ledger.log_artifact(eval_summary_path(out_dir))
         ledger.finish()
+
+
+def scored_run(cfg: RunConfig, step: int | None) -> dict[str, str]:
+    """The tags that link an eval of a run's policy to that run's MLflow record (its `ledger.json`), when it has one."""
+    record = ledger_record_path(cfg.eval.run) if cfg.eval.run else None
+    if record is None or not record.is_file():
+        return {}
+    return {"eval.run_id": json.loads(record.read_text())["run_id"], "eval.step": str(step)}
 
 
 if __name__ == "__main__":

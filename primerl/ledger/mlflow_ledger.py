@@ -16,6 +16,7 @@ import getpass
 import json
 import math
 import os
+import re
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,6 +37,11 @@ from primerl.utils.secrets import SECRET_KEYS, mask_overrides, mask_params, mask
 adopt_logger("mlflow")  # its own handler and format, installed at import: primerl's instead
 
 MAX_PARAM_CHARS = 6000
+EXPERIMENT_KIND, TRAINING_VIEW = "mlflow.experimentKind", "custom_model_development"  # MLflow 3 UI's views
+NAME_OVERRIDES, MAX_NAME_CHARS = 3, 250
+NAME_SKIPS = ("hydra.", "ledger.", "launcher.", "output_dir", "inference.api_key", "eval.run", "eval.model")
+NAME_SKIPPED_LEAVES = ("seed", "experiment", "name", "port", "host", "cache_dir", "store_dir")
+SWEEP = re.compile(r",|^(range|choice|interval|glob|tag)\(")  # a value Hydra sweeps over
 log = get_logger(__name__)
 
 
@@ -80,12 +86,14 @@ def flatten(tree: object, prefix: str = "") -> dict[str, str]:
 
 
 def _experiment_id(client: MlflowClient, name: str, store_dir: Path | None) -> str:
+    """The experiment `name`, created on first use; MLflow's UI opens a new one in its model-training view (runs,
+    metrics, artifacts) rather than its GenAI view."""
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
         artifacts = (store_dir / "mlartifacts" / name).as_uri() if store_dir else None
-        return client.create_experiment(name, artifact_location=artifacts)
+        return client.create_experiment(name, artifact_location=artifacts, tags={EXPERIMENT_KIND: TRAINING_VIEW})
     except Exception:  # noqa: BLE001 - another process created it first
         found = client.get_experiment_by_name(name)
         if found is None:
@@ -113,10 +121,32 @@ def description(cfg: RunConfig, kind: str) -> str:
     )
 
 
+def task_overrides() -> list[str]:
+    """The overrides of the Hydra job this process runs (a sweep job's own values), masked; [] outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return mask_overrides(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else []
+
+
+def run_name(cfg: RunConfig, kind: str, overrides: list[str], started: str) -> str:
+    """What tells a run from its neighbours in the UI's (truncated) name column, most telling first: the kind (`eval-`,
+    `sft-`; none for training), the run's name, up to NAME_OVERRIDES overrides by their last key (the keys this
+    process's command sweeps first; no paths, ports or secrets), the seed, and when it started (or its sweep and job
+    number)."""
+    swept = {o.lstrip("+~").partition("=")[0] for o in sys.argv[1:] if SWEEP.search(o.partition("=")[2])}
+    shown = []
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if value and not key.startswith(NAME_SKIPS) and key.rsplit(".", 1)[-1] not in NAME_SKIPPED_LEAVES:
+            shown.append((key not in swept, f"{key.rsplit('.', 1)[-1]}={value}"))
+    parts = [cfg.name, *(text for _, text in sorted(shown, key=lambda s: s[0])[:NAME_OVERRIDES])]
+    return ("" if kind == "train" else f"{kind}-") + " ".join([*parts, f"seed={cfg.seed}", started])[:MAX_NAME_CHARS]
+
+
 def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
     """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
     return {
-        "mlflow.source.name": f"python -m primerl.{kind} " + " ".join(mask_overrides(sys.argv[1:]))[:400],
+        "mlflow.source.name": f"primerl {kind} " + " ".join(mask_overrides(sys.argv[1:]))[:400],
         "mlflow.source.type": "LOCAL",
         "mlflow.source.git.commit": git_commit,
         "mlflow.user": getpass.getuser(),
@@ -169,8 +199,8 @@ class Ledger:
             tags["mlflow.parentRunId"] = sweep_parent(client, experiment, sweep_dir)
             tags["primerl.sweep_dir"] = str(sweep_dir)
             tags["primerl.job_num"] = str(job_num)
-        name = run_dir.name if sweep_dir is None else f"{sweep_dir.name}-{job_num}"
-        run = client.create_run(experiment, run_name=f"{cfg.name}-{name}", tags=tags)
+        started = run_dir.name if sweep_dir is None else f"{sweep_dir.name}-{job_num}"
+        run = client.create_run(experiment, run_name=run_name(cfg, kind, task_overrides(), started), tags=tags)
         ledger = cls(client, run.info.run_id, run_dir, experiment)
         params = mask_params(flatten(OmegaConf.to_container(resolved, resolve=True)))
         items = [Param(k[:250], v) for k, v in params.items()]

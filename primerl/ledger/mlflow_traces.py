@@ -1,10 +1,12 @@
 """Sampled rollouts as MLflow traces: what a user opens in the run's Traces tab to read an episode.
 
-One trace per rollout row of `rollouts/samples.jsonl` (the sink's examples): the root span (AGENT) holds the task,
-prompt, final answer, reward, per-function rewards, env metrics and the policy versions that generated it; a child
-span per model call (LLM: the messages new since the previous reply in, the reply and its tool calls out, timed
-from request to response) and per tool result (TOOL: from the reply that asked for it to its arrival). Times are
-the ones verifiers recorded (primerl.envs.trace_text.transcript).
+One trace per rollout row of `rollouts/samples.jsonl` (the sink's examples): the root span (AGENT) takes the user
+turns in (the traces table's Request column) and the final answer out, and holds the task, prompt, reward,
+per-function rewards, env metrics and the policy versions that generated it; a child span per model call (LLM: the
+messages new since the previous reply in, the reply and its tool calls out, timed from request to response, with
+the server's token counts) and per tool result (TOOL: from the reply that asked for it to its arrival). Times are
+the ones verifiers recorded (primerl.envs.trace_text.transcript). The reward and each reward function's value are
+the trace's feedback (assessments from CODE), so the table sorts and filters on them.
 
 MLflow's trace exporter writes to the process-wide tracking URI, not the client's: `log_rollout_trace` points it at
 the ledger's store, and logging is synchronous, so a trace is stored when the call returns (exactly-once bookkeeping
@@ -20,6 +22,8 @@ TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 
 import mlflow  # noqa: E402 - after the setting above, which mlflow reads when its exporter starts
 from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import AssessmentSource  # noqa: E402
+from mlflow.tracing.constant import SpanAttributeKey  # noqa: E402
 
 
 def _ns(seconds: float | None) -> int | None:
@@ -68,7 +72,7 @@ def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict,
         span_type="AGENT",
         experiment_id=experiment_id,
         run_id=run_id,
-        inputs={"prompt": row.get("prompt", "")},  # the UI's Request column; the task is an attribute and a tag
+        inputs={"request": _user_turns(messages) or row.get("prompt", "")},  # the UI's Request column
         attributes=attributes,
         start_time_ns=_ns(begin),
         tags={"primerl.step": str(row["step"]), "primerl.task": str(row.get("task", "")), SAMPLE_KEY_TAG: key},
@@ -85,7 +89,7 @@ def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict,
                 root.span_id,
                 span_type="LLM",
                 inputs={"messages": since_reply},
-                attributes={"finish_reason": message.get("finish_reason")},
+                attributes={"finish_reason": message.get("finish_reason"), **_token_usage(message)},
                 start_time_ns=_ns(message.get("start") or previous_end),
             )
             client.end_span(
@@ -112,4 +116,27 @@ def _log_trace(client: MlflowClient, run_id: str, experiment_id: str, row: dict,
             )
         since_reply.append({"role": message["role"], "content": message["content"]})
     client.end_trace(root.trace_id, outputs={"completion": row.get("completion", "")}, end_time_ns=_ns(finish))
+    _log_rewards(root.trace_id, row)
     return root.trace_id
+
+
+def _user_turns(messages: list[dict]) -> str:
+    return "\n\n".join(m["content"] for m in messages if m.get("role") == "user")
+
+
+def _token_usage(message: dict) -> dict:
+    """MLflow's token-usage attribute of an LLM span (summed into the trace's usage by the UI)."""
+    usage = message.get("usage")
+    if not usage:
+        return {}
+    total = usage["input_tokens"] + usage["output_tokens"]
+    return {SpanAttributeKey.CHAT_USAGE: {**usage, "total_tokens": total}}
+
+
+def _log_rewards(trace_id: str, row: dict) -> None:
+    """The reward, and each reward function's, as the trace's feedback."""
+    source = AssessmentSource(source_type="CODE", source_id="primerl")
+    values = {"reward": row.get("reward"), **{f"reward/{k}": v for k, v in (row.get("rewards") or {}).items()}}
+    for name, value in values.items():
+        if isinstance(value, int | float):
+            mlflow.log_feedback(trace_id=trace_id, name=name, value=float(value), source=source)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
+from primerl.ledger.logged_model import record_policy
 from primerl.ledger.mlflow_ledger import Ledger
 from primerl.ledger.wandb_tracker import WandbTracker
 from primerl.transport.run_dir import reward_plot_path, samples_path, weights_path
@@ -47,18 +48,4 @@ def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
     latest = latest_stable_version(run_dir)
     if latest is not None:
         ledger.set_tags({"checkpoint.final": str(weights_path(run_dir, latest)), "checkpoint.final_step": str(latest)})
-        record_policy(ledger, weights_path(run_dir, latest), latest)
-
-
-def record_policy(ledger: Ledger, weights_dir: Path, version: int) -> None:
-    """The run's final policy among its logged models (MLflow 3): a reference to the weights directory, once per
-    version however often the run is resumed."""
-    from mlflow.entities import LoggedModelStatus
-
-    client, name = ledger.client, f"policy-v{version}"
-    found = client.search_logged_models([ledger.experiment_id], filter_string=f"source_run_id = '{ledger.run_id}'")
-    if any(model.name == name for model in found):
-        return
-    tags = {"primerl.weights_dir": str(weights_dir), "primerl.policy_version": str(version)}
-    model = client.create_logged_model(ledger.experiment_id, name, ledger.run_id, tags, model_type="primerl-policy")
-    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        record_policy(ledger, cfg, run_dir, weights_path(run_dir, latest), latest)
