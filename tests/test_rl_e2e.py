@@ -538,7 +538,9 @@ def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores
     trained = json.loads((run / "ledger.json").read_text())["run_id"]  # the eval names the run it scored
     assert recorded.data.tags["eval.run_id"] == trained and recorded.data.tags["eval.step"] == "3"
     assert recorded.info.run_name.startswith("eval-reverse_text ")
-    assert client.get_run(trained).info.run_name.startswith("reverse_text max_steps=3 batch_size=16 group_size=4 seed=0 ")
+    assert client.get_run(trained).info.run_name.startswith(
+        "reverse_text max_steps=3 batch_size=16 group_size=4 seed=0 "
+    )
     assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
     assert recorded.data.metrics["eval/faulty-reverse-text/reward_mean"] == pytest.approx(summary["reward_mean"])
     assert "eval/faulty-reverse-text/pass_at_2" in recorded.data.metrics
