@@ -16,8 +16,25 @@ arrival"). sha256, not blake2b: with the CPU's SHA instructions it runs ~2x fast
 """
 
 import hashlib
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+# Digests run on threads beside whatever produced the tensor (a write, a receive, a reload): hashlib releases the GIL
+# on large buffers. The tensors being digested are held until done: at most IN_FLIGHT_BYTES of them per fingerprint,
+# so a worker never keeps a second copy of the model alive.
+DIGEST_THREADS = max(2, min(8, os.cpu_count() or 2))
+IN_FLIGHT_BYTES = 256 << 20
+_pool: ThreadPoolExecutor | None = None
+
+
+def _digests() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="primerl-digest")
+    return _pool
 
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
@@ -29,20 +46,33 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
 
 
 class Fingerprint:
-    """Digests added tensor by tensor (`add`), one hex string at the end (`hexdigest`)."""
+    """Digests added tensor by tensor (`add`, digested on threads), one hex string at the end (`hexdigest`)."""
 
     def __init__(self) -> None:
-        self.digests: dict[str, bytes] = {}
+        self.digests: dict[str, bytes | Future] = {}
         self.layouts: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._in_flight: deque[tuple[Future, int]] = deque()
+        self._in_flight_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.digests[name] = tensor_digest(name, tensor)
+        size = tensor.numel() * tensor.element_size()
+        while self._in_flight and self._in_flight_bytes + size > IN_FLIGHT_BYTES:
+            done, done_size = self._in_flight.popleft()
+            done.result()
+            self._in_flight_bytes -= done_size
+        future = _digests().submit(tensor_digest, name, tensor)
+        self._in_flight.append((future, size))
+        self._in_flight_bytes += size
+        self.digests[name] = future
         self.layouts[name] = (tensor.shape, tensor.dtype)
 
     def hexdigest(self) -> str:
         total = hashlib.sha256()
         for name in sorted(self.digests):
-            total.update(self.digests[name])
+            digest = self.digests[name]
+            total.update(digest.result() if isinstance(digest, Future) else digest)
+        self._in_flight.clear()
+        self._in_flight_bytes = 0
         return total.hexdigest()[:32]
 
 
