@@ -43,8 +43,8 @@ class UnsafeOverride(ValueError):
         self.override, self.why = override, why
 
 
-def config_groups() -> set[str]:
-    return {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
+def config_groups(config_dirs: tuple[Path, ...] = ()) -> set[str]:
+    return {p.name for d in (CONF_DIR, *config_dirs) for p in d.iterdir() if p.is_dir() and p.name != "hydra"}
 
 
 def _schema_has(key: str) -> bool:
@@ -63,8 +63,9 @@ def _schema_has(key: str) -> bool:
     return True
 
 
-def refusal(override: str, trusted: bool = False) -> str | None:
-    """Why `override` (one recorded override) may not be used, or None."""
+def refusal(override: str, trusted: bool = False, config_dirs: tuple[Path, ...] = ()) -> str | None:
+    """Why `override` (one recorded override) may not be used, or None. `config_dirs`: the run's own config
+    directories (checked by the caller to be this user's alone), whose group options count as shipped."""
     if "${" in override:
         return "an interpolation: a record holds literal values only"
     if any(word in override for word in INSTANTIATION):
@@ -78,9 +79,10 @@ def refusal(override: str, trusted: bool = False) -> str | None:
         return "a Hydra setting: a record holds primerl's own settings only"
     if parsed.package is not None or parsed.is_sweep_override():
         return "a package or a sweep: a record holds one run's settings"
-    if key in config_groups():
+    if key in config_groups(config_dirs):
         value = parsed.value()
-        if parsed.is_delete() or (isinstance(value, str) and _OPTION.match(value) and _shipped(key, value)):
+        shipped = isinstance(value, str) and _OPTION.match(value) and _shipped(key, value, config_dirs)
+        if parsed.is_delete() or shipped:
             return None
         return f"no shipped option {value!r} of the config group {key}"
     if not _schema_has(key):
@@ -90,14 +92,14 @@ def refusal(override: str, trusted: bool = False) -> str | None:
     return None
 
 
-def _shipped(group: str, option: str) -> bool:
-    return (CONF_DIR / group / f"{option}.yaml").is_file()
+def _shipped(group: str, option: str, config_dirs: tuple[Path, ...] = ()) -> bool:
+    return any((d / group / f"{option}.yaml").is_file() for d in (CONF_DIR, *config_dirs))
 
 
-def check_recorded(overrides: list[str], trusted: bool = False) -> list[str]:
+def check_recorded(overrides: list[str], trusted: bool = False, config_dirs: tuple[Path, ...] = ()) -> list[str]:
     """`overrides` unchanged, or UnsafeOverride naming the first one a record may not carry."""
     for override in overrides:
-        why = refusal(override, trusted)
+        why = refusal(override, trusted, config_dirs)
         if why is not None:
             raise UnsafeOverride(override, why)
     return overrides

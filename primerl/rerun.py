@@ -19,6 +19,11 @@ A record is data (primerl.recorded): an override that is not one of primerl's se
 is refused with one line naming it, and one whose value is code (SLURM setup lines, vLLM flags, a custom loss) needs
 `--trust`. A record another user wrote (its `mlflow.user`, or a store file others own or can write) is shown and
 asked about on a terminal, and refused elsewhere, unless `--trust`.
+
+A run made with its own config (`--config-dir`, `--config-path`, `--config-name`, `hydra.searchpath`) is rerun with
+the same flags, recorded by the ledger (its directories must still exist; one another user owns or can write counts
+as another user's record). Each env's package, version and source digest are recorded too: the rerun warns, one line
+each, when an env's installed source differs (its rewards may differ) or is missing.
 """
 
 import argparse
@@ -36,11 +41,14 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from primerl.compare import default_uri
+from primerl.ledger.run_info import env_package
 from primerl.ledger.system_info import system_tags
 from primerl.recorded import UnsafeOverride, check_recorded, confirm, foreign_writer
 from primerl.transport.run_dir import ledger_record_path
 from primerl.utils.secrets import MASK
 
+CONFIG_FLAGS = {"primerl.config_path": "--config-path", "primerl.config_dir": "--config-dir"}
+CONFIG_FLAGS["primerl.config_name"] = "--config-name"
 MIN_PREFIX = 8  # the shortest id prefix accepted: 16^8 ids, so one in a store of thousands of runs is unique
 LEFT_OUT = ("output_dir=", "hydra.run.dir=", "hydra.sweep.dir=", "seed=", "model.init_seed=", "ledger.tags.rerun_of=")
 
@@ -49,9 +57,11 @@ class Refused(Exception):
     pass
 
 
-def recorded_overrides(client: MlflowClient, run, trusted: bool = False) -> list[str]:
+def recorded_overrides(
+    client: MlflowClient, run, trusted: bool = False, config_dirs: tuple[Path, ...] = ()
+) -> list[str]:
     """The run's overrides, without its directory, its seeds (added from their tags) and masked secrets; Refused
-    when one is not a literal setting of primerl's schema (primerl.recorded)."""
+    when one is not a literal setting of primerl's schema or an option of its config directories (primerl.recorded)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # its bar would be a second line
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -65,9 +75,45 @@ def recorded_overrides(client: MlflowClient, run, trusted: bool = False) -> list
     tags = run.data.tags
     seeds = [f"seed={tags.get('seed', '0')}", f"model.init_seed={tags.get('model.init_seed', '0')}"]
     try:
-        return check_recorded([*kept, *seeds], trusted)
+        return check_recorded([*kept, *seeds], trusted, config_dirs)
     except UnsafeOverride as err:
         raise Refused(f"run {run.info.run_id} records an override it may not carry: {err}") from None
+
+
+def env_changes(run) -> list[str]:
+    """A line for each env of the record whose installed source now differs from the recorded digest (its rewards
+    may differ) or that is not installed here."""
+    changes = []
+    for tag, recorded in sorted(run.data.tags.items()):
+        if not (tag.startswith("env.") and tag.endswith(".source_sha256")):
+            continue
+        env_id = tag.removeprefix("env.").removesuffix(".source_sha256")
+        now = env_package(env_id)
+        if not now:
+            changes.append(f"env {env_id} is not installed here")
+        elif now["source_sha256"] != recorded:
+            was = run.data.tags.get(f"env.{env_id}.package", "?")
+            changes.append(
+                f"env {env_id}'s source differs from the run's ({was}, sha256 {recorded} -> {now['package']}, "
+                f"{now['source_sha256']}): its rewards may differ"
+            )
+    return changes
+
+
+def config_flags(run) -> tuple[list[str], tuple[Path, ...]]:
+    """The flags that point the rerun at the run's own config (`--config-path`, `--config-dir`, `--config-name`, as
+    recorded by the ledger) and its directories; Refused when one is gone."""
+    flags, dirs = [], []
+    for tag, flag in CONFIG_FLAGS.items():
+        value = run.data.tags.get(tag)
+        if not value:
+            continue
+        if flag != "--config-name":
+            if not Path(value).is_dir():
+                raise Refused(f"the run's config directory {value} ({flag}) is gone")
+            dirs.append(Path(value))
+        flags += [flag, value]
+    return flags, tuple(dirs)
 
 
 def find_run(client: MlflowClient, ref: str, uri: str):
@@ -101,12 +147,15 @@ def _pages(client: MlflowClient, experiments: list[str]):
             return
 
 
-def record_writer(run, uri: str) -> str | None:
-    """Who wrote the record, when that may be another user: its `mlflow.user`, or whoever owns or can write the
-    store's file (a sqlite store); None when it is this user's own."""
+def record_writer(run, uri: str, config_dirs: tuple[Path, ...] = ()) -> str | None:
+    """Who wrote the record, when that may be another user: its `mlflow.user`, whoever owns or can write the
+    store's file (a sqlite store) or one of the run's config directories; None when it is this user's own."""
     user = run.data.tags.get("mlflow.user")
     if user != getpass.getuser():
         return f"user {user}" if user else "an unknown user (no mlflow.user tag)"
+    for directory in config_dirs:
+        if (writer := foreign_writer(directory)) is not None:
+            return writer
     if uri.startswith("sqlite:///"):
         return foreign_writer(Path(uri.removeprefix("sqlite:///")))
     return None
@@ -152,20 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = find_run(client, args.run_id, uri)
         run_id = run.info.run_id
-        recorded = recorded_overrides(client, run, args.trust)
+        flags, config_dirs = config_flags(run)
+        recorded = recorded_overrides(client, run, args.trust, config_dirs)
         overrides = [*recorded, f"+ledger.tags.rerun_of='{run_id}'", *extra]
         warning = check_commit(run, args.force)
     except Refused as err:
         print(f"rerun: {err}", file=sys.stderr)
         return 2
-    if warning:
-        print(f"rerun: warning: {warning}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "primerl.train", *overrides]
-    shown = shlex.join(["primerl", "train", *overrides])
+    for line in ([warning] if warning else []) + env_changes(run):
+        print(f"rerun: warning: {line}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "primerl.train", *flags, *overrides]
+    shown = shlex.join(["primerl", "train", *flags, *overrides])
     print(f"rerun: {shown}", flush=True)
     if args.dry_run:
         return 0
-    writer = None if args.trust else record_writer(run, uri)
+    writer = None if args.trust else record_writer(run, uri, config_dirs)
     if writer is not None and not confirm(shown, writer, f"run {run_id}'s record"):
         print(f"rerun: not run: the record was written by {writer} (read it, then --trust)", file=sys.stderr)
         return 2

@@ -166,7 +166,7 @@ def test_sweep_jobs_are_children_of_one_parent(tmp_path):
 
 def test_a_run_is_named_by_what_tells_it_apart(monkeypatch):
     """The swept key first, then the others in order, by their last key; no paths, ports or secrets; kind and seed."""
-    from primerl.ledger.mlflow_ledger import run_name
+    from primerl.ledger.run_info import run_name
 
     cfg = check(["+experiment=reverse_text", "seed=2"])
     monkeypatch.setattr(sys, "argv", ["primerl.train", "-m", "trainer.optim.lr=1e-4,3e-4", "inference.port=9"])
@@ -184,6 +184,46 @@ def test_a_run_is_named_by_what_tells_it_apart(monkeypatch):
     name = run_name(cfg, "train", overrides, "sweep-1")
     assert name == "reverse_text lr=3e-4 max_steps=3 batch_size=16 seed=2 sweep-1"
     assert run_name(cfg, "eval", [], "2026-12-06_10-00-00") == "eval-reverse_text seed=2 2026-12-06_10-00-00"
+
+
+OPEN_LEDGER = """
+from pathlib import Path
+from primerl.app import hydra_app, to_run_config
+from primerl.ledger.mlflow_ledger import Ledger
+
+@hydra_app()
+def main(dict_cfg):
+    cfg = to_run_config(dict_cfg)
+    Ledger.open(cfg, dict_cfg, Path(cfg.output_dir).resolve()).finish()
+
+main()
+"""
+
+
+def test_a_run_records_its_own_config_dir_and_its_envs_source(tmp_path):
+    """Under Hydra, with the user's --config-dir: the record names that directory (what `primerl rerun` passes back)
+    and each env's package and source digest; the run is named by its overrides."""
+    from primerl.ledger.run_info import env_package
+
+    own = tmp_path / "conf"
+    (own / "experiment").mkdir(parents=True)
+    (own / "experiment" / "my_exp.yaml").write_text("# @package _global_\ndefaults:\n  - reverse_text\nname: mine\n")
+    script = tmp_path / "open_ledger.py"
+    script.write_text(OPEN_LEDGER)
+    store, run_dir = tmp_path / "store", tmp_path / "run"
+    args = ["--config-dir", str(own), "+experiment=my_exp", "trainer.max_steps=3", f"ledger.store_dir={store}"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = MlflowClient(f"sqlite:///{store / 'mlflow.db'}").get_run(
+        json.loads((run_dir / "ledger.json").read_text())["run_id"]
+    )
+    tags = run.data.tags
+    assert tags["primerl.config_dir"] == str(own) and "primerl.config_path" not in tags
+    assert tags["env.primerl-reverse-text.source_sha256"] == env_package("primerl-reverse-text")["source_sha256"]
+    assert tags["env.primerl-reverse-text.package"].startswith("primerl==")
+    assert run.info.run_name.startswith("mine max_steps=3 seed=0 ")
 
 
 def test_compare_prints_differences_and_plots(tmp_path, capsys):

@@ -8,6 +8,7 @@ import getpass
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -29,11 +30,11 @@ RECORDED = [
 ]
 
 
-def _store_with_run(tmp_path, commit: str, recorded=RECORDED, user: str | None = None) -> tuple[str, str]:
+def _store_with_run(tmp_path, commit: str, recorded=RECORDED, user: str | None = None, **tags) -> tuple[str, str]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("reverse_text", artifact_location=str(tmp_path / "artifacts"))
-    tags = {"git.commit": commit, "git.dirty": "false", "seed": "7", "model.init_seed": "2"}
+    tags = {"git.commit": commit, "git.dirty": "false", "seed": "7", "model.init_seed": "2", **tags}
     tags["mlflow.user"] = user or getpass.getuser()
     run_id = client.create_run(experiment, tags=tags).info.run_id
     overrides = tmp_path / "overrides.yaml"
@@ -72,6 +73,47 @@ def test_the_command_is_rebuilt_from_the_record(tmp_path):
     ]
     cfg = check(args)
     assert cfg.ledger.tags == {"rerun_of": run_id} and cfg.seed == 7 and cfg.trainer.max_steps == 2
+
+
+def test_a_run_of_the_users_own_config_dir_reruns_with_it_and_a_changed_env_is_named(tmp_path):
+    """Tags the ledger records (primerl.config_dir, env.<id>.source_sha256) bring the user's config directory back as
+    --config-dir, its options accepted; a changed or missing env is a warning line; a config directory others can
+    write is another user's record; a directory that is gone is one line."""
+    from primerl.app import ConfigSource
+    from primerl.ledger.run_info import env_package
+
+    own = tmp_path / "conf"
+    (own / "experiment").mkdir(parents=True)
+    (own / "experiment" / "my_exp.yaml").write_text("# @package _global_\ndefaults:\n  - reverse_text\nname: mine\n")
+    here = system_tags()
+    force = ["--force"] if here["git.dirty"] != "false" else []
+    digest = env_package("primerl-reverse-text")["source_sha256"]
+    tags = {
+        "primerl.config_dir": str(own),
+        "env.primerl-reverse-text.source_sha256": digest,
+        "env.gone-env.source_sha256": "0" * 16,
+    }
+    recorded = ["+experiment=my_exp", "trainer.max_steps=3"]
+    uri, run_id = _store_with_run(tmp_path, here["git.commit"], recorded, **tags)
+    result = _rerun(uri, run_id, "--dry-run", *force)
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("rerun: ")]
+    args = shlex.split(line.removeprefix("rerun: "))[2:]
+    assert args[:3] == ["--config-dir", str(own), "+experiment=my_exp"]
+    assert check(args[2:], source=ConfigSource(added_dir=own)).name == "mine"
+    assert "rerun: warning: env gone-env is not installed here" in result.stderr
+    assert "primerl-reverse-text" not in result.stderr  # unchanged
+
+    os.chmod(own, 0o775)  # a directory its group can write: not this user's alone
+    shared = _rerun(uri, run_id, *force)
+    assert shared.returncode == 2 and "written by group or others" in shared.stderr, shared.stderr
+    os.chmod(own, 0o755)
+    (own / "experiment" / "my_exp.yaml").rename(own / "moved.yaml")
+    missing = _rerun(uri, run_id, "--dry-run", *force)
+    assert missing.returncode == 2 and "no shipped option 'my_exp'" in missing.stderr, missing.stderr
+    shutil.rmtree(own)
+    gone = _rerun(uri, run_id, "--dry-run", *force)
+    assert gone.returncode == 2 and f"the run's config directory {own} (--config-dir) is gone" in gone.stderr
 
 
 @pytest.mark.parametrize("case", ["other commit", "unknown run", "short prefix", "no store"])

@@ -12,12 +12,9 @@
 - Sweeps: a parent run per Hydra sweep directory, created once under a file lock; each job is its child.
 """
 
-import getpass
 import json
 import math
 import os
-import re
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -26,22 +23,19 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from primerl.config.schema import RunConfig
+from primerl.ledger.run_info import config_source_tags, env_tags, run_name, standard_tags, task_overrides
 from primerl.ledger.sweep import sweep_parent
 from primerl.ledger.system_info import system_tags
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import ledger_record_path
 from primerl.utils.locks import locked
 from primerl.utils.log import adopt_logger, get_logger
-from primerl.utils.secrets import SECRET_KEYS, mask_overrides, mask_params, mask_text
+from primerl.utils.secrets import SECRET_KEYS, mask_params, mask_text
 
 adopt_logger("mlflow")  # its own handler and format, installed at import: primerl's instead
 
 MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND, TRAINING_VIEW = "mlflow.experimentKind", "custom_model_development"  # MLflow 3 UI's views
-NAME_OVERRIDES, MAX_NAME_CHARS = 3, 250
-NAME_SKIPS = ("hydra.", "ledger.", "launcher.", "output_dir", "inference.api_key", "eval.run", "eval.model")
-NAME_SKIPPED_LEAVES = ("seed", "experiment", "name", "port", "host", "cache_dir", "store_dir")
-SWEEP = re.compile(r",|^(range|choice|interval|glob|tag)\(")  # a value Hydra sweeps over
 log = get_logger(__name__)
 
 
@@ -101,59 +95,6 @@ def _experiment_id(client: MlflowClient, name: str, store_dir: Path | None) -> s
         return found.experiment_id
 
 
-def description(cfg: RunConfig, kind: str) -> str:
-    """The run's one-paragraph summary in MLflow's Description field."""
-    model = cfg.model.hub_id or cfg.model.path or f"{cfg.model.source.value} (built here)"
-    if kind == "sft":
-        return f"{cfg.name}: SFT warm-start of {model}, {cfg.sft.steps} steps of {cfg.sft.batch_size} on {cfg.env.id}."
-    if kind == "eval":
-        e = cfg.eval
-        return (
-            f"{cfg.name}: evaluation of {e.model or f'{e.run} step {e.step}'} on env {cfg.env.id}, "
-            f"{e.num_tasks} tasks x {e.samples_per_task} rollouts at temperature {e.temperature}."
-        )
-    o = cfg.orchestrator
-    envs = " + ".join(f"{e.id} ({e.weight:g})" for e in cfg.mixture) if cfg.mixture else cfg.env.id
-    return (
-        f"{cfg.name}: RL on env {envs} with model {model}, {cfg.trainer.max_steps} steps of "
-        f"{o.batch_size} samples ({o.batch_size // o.group_size} groups of {o.group_size}), "
-        f"async_level {o.async_level}, launcher {cfg.launcher.name}."
-    )
-
-
-def task_overrides() -> list[str]:
-    """The overrides of the Hydra job this process runs (a sweep job's own values), masked; [] outside Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return mask_overrides(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else []
-
-
-def run_name(cfg: RunConfig, kind: str, overrides: list[str], started: str) -> str:
-    """What tells a run from its neighbours in the UI's (truncated) name column, most telling first: the kind (`eval-`,
-    `sft-`; none for training), the run's name, up to NAME_OVERRIDES overrides by their last key (the keys this
-    process's command sweeps first; no paths, ports or secrets), the seed, and when it started (or its sweep and job
-    number)."""
-    swept = {o.lstrip("+~").partition("=")[0] for o in sys.argv[1:] if SWEEP.search(o.partition("=")[2])}
-    shown = []
-    for override in overrides:
-        key, _, value = override.lstrip("+~").partition("=")
-        if value and not key.startswith(NAME_SKIPS) and key.rsplit(".", 1)[-1] not in NAME_SKIPPED_LEAVES:
-            shown.append((key not in swept, f"{key.rsplit('.', 1)[-1]}={value}"))
-    parts = [cfg.name, *(text for _, text in sorted(shown, key=lambda s: s[0])[:NAME_OVERRIDES])]
-    return ("" if kind == "train" else f"{kind}-") + " ".join([*parts, f"seed={cfg.seed}", started])[:MAX_NAME_CHARS]
-
-
-def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
-    """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
-    return {
-        "mlflow.source.name": f"primerl {kind} " + " ".join(mask_overrides(sys.argv[1:]))[:400],
-        "mlflow.source.type": "LOCAL",
-        "mlflow.source.git.commit": git_commit,
-        "mlflow.user": getpass.getuser(),
-        "mlflow.note.content": description(cfg, kind),
-    }
-
-
 class Ledger:
     def __init__(self, client: MlflowClient, run_id: str, run_dir: Path, experiment_id: str = ""):
         self.client = client
@@ -192,6 +133,8 @@ class Ledger:
             "model.init_seed": str(cfg.model.init_seed),
             "launcher": cfg.launcher.name,
             **system_tags(),
+            **config_source_tags(),
+            **env_tags(cfg),
             **{key: str(value) for key, value in cfg.ledger.tags.items()},
         }
         tags |= standard_tags(cfg, kind, tags["git.commit"])
