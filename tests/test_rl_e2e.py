@@ -112,6 +112,7 @@ def test_ctrl_c_stops_a_run_and_the_same_command_again_runs_end_to_end_to_the_sa
     assert "eval of policy v2: primerl-reverse-text reward" in result.stdout
     assert re.search(r"done in \d+m\d\ds: reward [\d.]+ -> [\d.]+ over 3 steps", result.stdout)
     assert "MLflow run " in result.stdout and (again / "reward.png").exists()
+    assert re.search(r"logged model: models:/m-[0-9a-f]+ ", result.stdout)
     evals = read_metrics(again, "eval")
     assert [r["step"] for r in evals] == [0, 2, 3]
     assert all(r["primerl-reverse-text/rollouts"] + r["primerl-reverse-text/failures"] == 16 for r in evals)

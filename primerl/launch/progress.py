@@ -118,6 +118,9 @@ class Progress:
         final = latest_stable_version(self.run_dir)
         if final is not None:
             log.info(f"final policy: {weights_path(self.run_dir, final)}")
+        model = ledger.logged_model(f"policy-v{final}") if ledger is not None and final is not None else None
+        if model is not None:
+            log.info(f"logged model: models:/{model} (mlflow.transformers.load_model, or register it in the UI)")
         if ledger is not None and ledger.url():
             log.info(f"MLflow run: {ledger.url()}")
         elif ledger is not None:

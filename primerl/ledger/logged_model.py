@@ -30,8 +30,7 @@ def record_policy(ledger: Ledger, cfg: RunConfig, run_dir: Path, weights_dir: Pa
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
     client, name = ledger.client, f"policy-v{version}"
-    found = client.search_logged_models([ledger.experiment_id], filter_string=f"source_run_id = '{ledger.run_id}'")
-    if any(model.name == name for model in found):
+    if ledger.logged_model(name) is not None:
         return None
     adapter = (weights_dir / "adapter_config.json").exists()
     size = sum(f.stat().st_size for f in weights_dir.iterdir() if f.is_file())
