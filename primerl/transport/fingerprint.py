@@ -27,14 +27,14 @@ import torch
 # so a worker never keeps a second copy of the model alive.
 DIGEST_THREADS = max(2, min(8, os.cpu_count() or 2))
 IN_FLIGHT_BYTES = 256 << 20
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # with the pid that made it: a forked child makes its own
 
 
 def _digests() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="primerl-digest")
-    return _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="primerl-digest"))
+    return _pool[1]
 
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
