@@ -9,13 +9,14 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 
 import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from primerl.orchestrator.inference_client import NotProven
+from primerl.orchestrator.inference_client import InferenceClient, NotProven
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.collective import WeightSender
 from primerl.transport.fingerprint import fingerprint_of
@@ -67,13 +68,14 @@ def send(
         sender.transfer(made, groups, cut)
 
 
-async def deliver(srv, sender, made, tensors, stop_after=None, proof=True):
-    """What the orchestrator does with an offer (name the group, answer, load) beside the trainer's send."""
-    async with client_of(srv) as client:
+async def deliver(srv, sender, made, tensors, stop_after=None, proof=True, timeout_s=300.0, send_after_s=0.0):
+    """What the orchestrator does with an offer (name the group, answer, load) beside the trainer's send, which
+    starts `send_after_s` later; the client's default timeout is `timeout_s`."""
+    async with InferenceClient(srv.base_url, API_KEY, timeout_s=timeout_s) as client:
         group, members = await client.collective_group(0)
         answer_offer(weights_path(srv.run_dir, made.version), made.id, {group: members})
         args = (srv.run_dir, sender, made, tensors, {group: members}, stop_after, proof)
-        sending = threading.Thread(target=send, args=args)
+        sending = threading.Thread(target=lambda: time.sleep(send_after_s) or send(*args))
         sending.start()
         try:
             return group, await client.load_weights(weights_path(srv.run_dir, made.version), made.version, group)
@@ -88,7 +90,8 @@ def test_a_collective_update_serves_the_trainers_weights_and_its_fingerprint_pro
     tensors = perturbed(server.model_dir, 0.05, seed=20)
     made = offer(server.run_dir, sender, 20, tensors)
     assert len(made.buckets) > 2
-    _, loaded = asyncio.run(deliver(server, sender, made, tensors))
+    # the trainer sends 6 s late: past the client's 3 s default, within the offer's own limits (timeout_s 20)
+    _, loaded = asyncio.run(deliver(server, sender, made, tensors, timeout_s=3.0, send_after_s=6.0))
     assert loaded.fingerprint == published_fingerprint(weights_path(server.run_dir, 20)) == fingerprint_of(tensors)
     assert client_call(server, "policy_version") == 20
     files = save_hf_checkpoint(tensors, server.model_dir, tmp_path / "as-files")  # the same weights as files
@@ -188,7 +191,6 @@ def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_co
     from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
     from primerl.inference.vllm_args import render_specs
     from primerl.model.resolve import prepare_base_model
-    from primerl.orchestrator.inference_client import InferenceClient
     from primerl.trainer.weights import per_expert_tensors
     from primerl.utils.process import free_port
 
