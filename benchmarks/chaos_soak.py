@@ -14,6 +14,7 @@ from benchmarks.chaos_faults import (
     RolloutsDisk,
     TrackingServer,
     arm_nonfinite_step,
+    damage_newest_checkpoint,
     failpoint_env,
     second_run,
     tear_samples_line,
@@ -23,7 +24,9 @@ from primerl.metrics import TRAINER, read_metrics
 from primerl.utils.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-STOPPING = ("trainer", "orchestrator", "inference", "driver", "torn_samples")  # the run stops; the user reruns it
+# the run stops; the user reruns it (torn_samples and damaged_checkpoint: kill -9 of the orchestrator, of the trainer,
+# then the damage a kill or a shared filesystem can leave)
+STOPPING = ("trainer", "orchestrator", "inference", "driver", "torn_samples", "damaged_checkpoint")
 RIDDEN = ("vllm", "nan_step", "store_down", "store_locked", "disk_full", "second_run", "vllm_mid_transfer")
 KINDS = STOPPING + RIDDEN
 SAMPLE_EVERY = 5
@@ -37,10 +40,10 @@ def _cmdline(pid: int) -> bytes:
 
 
 def target_pid(kind: str, run: Path, driver: subprocess.Popen) -> int | None:
-    """The process a kill of `kind` hits (torn_samples: the orchestrator)."""
+    """The process a kill of `kind` hits (torn_samples: the orchestrator; damaged_checkpoint: the trainer)."""
     if kind == "driver":
         return driver.pid
-    kind = "orchestrator" if kind == "torn_samples" else kind
+    kind = {"torn_samples": "orchestrator", "damaged_checkpoint": "trainer"}.get(kind, kind)
     marks = {"vllm": b"vllm.entrypoints.openai.api_server"} | {k: f"-m\0primerl.{k}\0".encode() for k in KINDS[:3]}
     pids = [p for p in run_processes(run) if marks[kind] in _cmdline(p)]
     return min(pids) if pids else None
@@ -183,6 +186,8 @@ class Soak:
             os.kill(p, signal.SIGKILL)
         if kind == "torn_samples":
             tear_samples_line(self.run)
+        if kind == "damaged_checkpoint":
+            damage_newest_checkpoint(self.run)
         self.faults.append(
             {
                 "kind": kind,

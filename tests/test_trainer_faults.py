@@ -3,6 +3,7 @@ file is refused, a failed checkpoint write leaves nothing marked STABLE. Each en
 
 import logging
 import math
+import os
 import resource
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.batch import build_batch
 from primerl.trainer.checkpoint import latest_checkpoint
 from primerl.transport.batches import write_rollout_batch
-from primerl.transport.run_dir import checkpoints_root, rollout_path, weights_path, weights_root
+from primerl.transport.run_dir import checkpoint_path, checkpoints_root, rollout_path, weights_path, weights_root
 from tests.conftest import ROOT, model_samples
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,34 @@ def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_the_run(cache_dir, 
     progress.poll()
     assert progress.steps_shown == 5
     assert "step 2/6  reward nan  loss nan" in caplog.text and "step 3/6" in caplog.text
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(cache_dir, tmp_path):
+    """A checkpoint the shared filesystem delivered truncated: the trainer says so, resumes from the one before it,
+    trains the steps since again from their stored batches (their first metrics rows kept) and sets the damaged one
+    aside; with every checkpoint damaged it stops with one line."""
+    _write_batches(cache_dir, tmp_path, [None] * 4)
+    assert _trainer(_args(cache_dir, tmp_path, 3)).returncode == 0
+    assert latest_checkpoint(tmp_path) == 3
+    trained = read_metrics(tmp_path, "trainer")
+
+    def truncate(step: int) -> None:
+        largest = max(checkpoint_path(tmp_path, step).iterdir(), key=lambda p: p.stat().st_size)
+        os.truncate(largest, largest.stat().st_size // 2)
+
+    truncate(3)
+    again = _trainer(_args(cache_dir, tmp_path, 4))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "step_000003 is corrupt" in again.stderr and "resuming from the checkpoint before it" in again.stderr
+    assert "starting at step 2 from" in again.stdout + again.stderr
+    assert [p.name.split("-")[:2] for p in checkpoints_root(tmp_path).glob("damaged-*")] == [["damaged", "step_000003"]]
+    rows = read_metrics(tmp_path, "trainer")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[:3] == trained  # step 2 trained again, its row kept
+    assert latest_checkpoint(tmp_path) == 4
+    for step in (3, 4):
+        truncate(step)
+    stopped = _trainer(_args(cache_dir, tmp_path, 5))
+    _one_line_error(stopped, "no sound checkpoint to resume from")
 
 
 def test_a_corrupt_batch_is_refused(cache_dir, tmp_path):

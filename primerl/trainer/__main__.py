@@ -26,7 +26,7 @@ from primerl.config.trainer import TrainerConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.launch.start import prepare_start_adapter, prepare_start_model
 from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
-from primerl.trainer.checkpoint import Checkpointer, latest_checkpoint, make_checkpointer
+from primerl.trainer.checkpoint import Checkpointer, make_checkpointer, restore_sound
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
@@ -64,12 +64,10 @@ def rank_micro_batches(micro: list[MicroBatch], dp_rank: int, dp: int) -> list[M
 def resume(trainer: Trainer, publisher: Publisher, run_dir: Path) -> tuple[int, set[int]]:
     """(the step to train next, the steps that already have a metrics row). Restores the newest checkpoint, the
     metrics row its writer died before appending, and the weights it died before publishing."""
-    start = latest_checkpoint(run_dir) or 0
-    # a replayed step (checkpoint_every > 1) keeps its first row
+    # a replayed step (checkpoint_every > 1, or back from a damaged checkpoint) keeps its first row
     logged = {row["step"] for row in read_metrics(run_dir, TRAINER)}
-    state = {}
+    start, state = restore_sound(trainer.restore, run_dir, trainer.info.is_main)
     if start:
-        state = trainer.restore(checkpoint_path(run_dir, start))
         if trainer.info.is_main and start - 1 not in logged:  # the predecessor died between checkpoint and metrics
             append_metrics(run_dir, TRAINER, start - 1, state["metrics"])
         publisher.republish(start)  # killed between checkpoint and publish, or an offer whose sender is gone

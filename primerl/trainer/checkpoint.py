@@ -18,6 +18,8 @@ their stored batches: no trained step is lost, and at most `checkpoint_every` st
 
 import hashlib
 import json
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,7 +31,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from primerl.transport.atomic import atomic_dir, latest_stable, remove_published, shared_staging_path
+from primerl.transport.atomic import atomic_dir, latest_stable, remove_published, shared_staging_path, stable_steps
 from primerl.transport.formats import CHECKPOINT_FORMAT, check_format
 from primerl.transport.run_dir import CHECKPOINT_STATE_FILE, checkpoint_path, checkpoints_root
 from primerl.utils.errors import RunError, writing
@@ -40,13 +42,36 @@ log = get_logger("trainer")
 
 class CorruptCheckpoint(RunError):
     def __init__(self, path: Path, why: str):
-        super().__init__(
-            f"checkpoint {path} is corrupt ({why}); move it aside to resume from the one before, or start a new run"
-        )
+        super().__init__(f"checkpoint {path} is corrupt ({why})")
+        self.path = path
 
 
 def latest_checkpoint(run_dir: str | Path) -> int | None:
     return latest_stable(checkpoints_root(run_dir))
+
+
+def restore_sound(restore: Callable[[Path], dict], run_dir: str | Path, is_main: bool) -> tuple[int, dict]:
+    """Collective: (step, trainer_state.json) of the newest checkpoint `restore` loads; (0, {}) when there is none.
+    A damaged one (files not as recorded: a shared filesystem that delivered it truncated or not at all, a disk
+    error) is logged, set aside by rank 0 as `damaged-step_<n>-<ns>` once a sound one is loaded, and the one before it is
+    taken: the steps since are trained again from their stored batches, as after a kill during an asynchronous
+    write. Every checkpoint damaged: CorruptCheckpoint (starting over from the base model is the user's decision)."""
+    damaged: list[Path] = []
+    for step in stable_steps(checkpoints_root(run_dir)):
+        try:
+            state = restore(checkpoint_path(run_dir, step))
+        except CorruptCheckpoint as err:
+            if is_main:
+                log.warning(f"{err}; resuming from the checkpoint before it")
+            damaged.append(err.path)
+            continue
+        if is_main:
+            for path in damaged:
+                path.rename(path.with_name(f"damaged-{path.name}-{time.time_ns()}"))  # out of later resumes' way
+        return step, state
+    if damaged:
+        raise CorruptCheckpoint(damaged[-1], "and every checkpoint after it: no sound checkpoint to resume from")
+    return 0, {}
 
 
 def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:

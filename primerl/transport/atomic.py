@@ -162,10 +162,16 @@ def is_stable(path: str | Path) -> bool:
     return (Path(path) / STABLE_MARKER).exists()
 
 
+def stable_steps(folder: str | Path) -> list[int]:
+    """The n of every STABLE `step_<n>` directory in `folder`, newest first."""
+    steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*") if p.is_dir() and is_stable(p)]
+    return sorted(steps, reverse=True)
+
+
 def latest_stable(folder: str | Path) -> int | None:
     """The largest n of the STABLE `step_<n>` directories in `folder`, if any."""
-    steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*") if p.is_dir() and is_stable(p)]
-    return max(steps) if steps else None
+    steps = stable_steps(folder)
+    return steps[0] if steps else None
 
 
 # what atomic_file (".primerl-tmp-<name>-XXXXXXXX.tmp") and atomic_dir (".primerl-tmp-<name>-XXXXXXXX", shared:
