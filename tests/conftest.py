@@ -12,12 +12,6 @@ SLURM_CLUSTER = ROOT / "launchers" / "slurm" / "cluster.sh"
 SLURM_NODES = 3  # the cluster the SLURM tests share, where the machine has network namespaces
 
 
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first: the two xdist workers then end on short tests, not one on a minutes-long run while the
-    other idles (longest-first scheduling)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One model cache per test session, shared by the in-process code and every subprocess."""

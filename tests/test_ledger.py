@@ -474,7 +474,7 @@ def test_a_torn_samples_line_is_left_out_of_the_record_not_fatal(tmp_path, caplo
     ledger.finish()
 
 
-def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scores(tmp_path):
+def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scores(tmp_path, monkeypatch):
     """The final policy's logged model holds the weights in MLflow's transformers flavor: `mlflow.transformers
     .load_model` gives a pipeline that generates what transformers generates from the published directory. It is the
     run's output, carries the online eval of its version, and is logged once; past `ledger.log_model_max_mb` it
@@ -502,8 +502,14 @@ def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scor
     }
     assert [o.model_id for o in ledger.client.get_run(ledger.run_id).outputs.model_outputs] == [model_id]
 
+    # MLflow's loader reads the process-wide tracking URI, which it also exports to the environment: both are put
+    # back afterwards, so later tests' ledgers use their own stores
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", ledger.client.tracking_uri)
     mlflow.set_tracking_uri(ledger.client.tracking_uri)
-    pipeline = mlflow.transformers.load_model(f"models:/{model_id}")
+    try:
+        pipeline = mlflow.transformers.load_model(f"models:/{model_id}")
+    finally:
+        mlflow.set_tracking_uri(None)
     prompt = "abcdef"
     shown = pipeline(prompt, max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
     tokenizer, reference = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
