@@ -7,13 +7,16 @@ One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_lev
 orchestrator, an MLflow tracking server as the ledger) of --steps steps. Each fault comes after the trainer has
 finished one more step and a seeded random 0-4 s. Every kind comes at least once, in a seeded order:
 - kill -9 of the trainer, the orchestrator, the inference wrapper or the driver itself, `torn_samples` (kill -9 the
-  orchestrator and leave a torn line in rollouts/samples.jsonl, as a kill mid-append does) and `damaged_checkpoint`
-  (kill -9 the trainer and truncate its newest checkpoint, as a shared filesystem may deliver it): the run stops and,
-  as a user would, the same command is rerun until the run completes;
+  orchestrator and leave a torn line in rollouts/samples.jsonl, as a kill mid-append does), `damaged_checkpoint`
+  (kill -9 the trainer and truncate its newest checkpoint or remove its largest file, as a shared filesystem may
+  deliver it) and `store_down_at_start` (kill -9 the driver, and rerun it with the tracking server down until the
+  driver says it waits for it, then start the server): the run stops and, as a user would, the same command is rerun
+  until the run completes;
 - kill -9 of the vLLM server (restarted by the inference wrapper), `nan_step` (the trainer's next loss is NaN, via
   primerl.utils.failpoints), `store_down` (the tracking server killed for 20 s), `store_locked` (its sqlite database
-  locked exclusively for 20 s), `disk_full` (the tmpfs on the run's rollouts/ filled for 20 s; needs root), and
-  `second_run` (the same command into another run directory, on the same port): the run must go on by itself, four
+  locked exclusively for 20 s), `disk_full` (the tmpfs on the run's rollouts/ filled for 20 s; needs root),
+  `slow_env` (every rollout waits 2 s first, for 20 s: an env whose sandbox or judge is slow), and `second_run` (the
+  same command into another run directory, on the same port): the run must go on by itself, four
   more trained steps after the fault ends (two more than async_level 1 can have had written before it), and the
   second run must be refused at once with one line;
 - with `--transport collective` (weights.transport=collective, 1 MiB buckets, 2 replicas), also `vllm_mid_transfer`:
@@ -27,8 +30,9 @@ Afterwards it checks and prints:
   never rewound: non-decreasing, see below);
 - the MLflow run FINISHED with each metric row once and each sampled rollout's trace once (the torn lines skipped);
   the experiment's online evals (every 20 policy versions) logged once per version, from v0 to the last;
-- no orphans: no process of the run alive after each incarnation's driver is gone (nothing the next driver had to
-  kill), none at the end, none of a refused second run;
+- no orphans: no process of the run alive 60 s after each kill (nothing the next driver had to kill), none at the
+  end, none of a refused second run;
+- each rerun without its tracking server waited for it (`ledger.connect_timeout_s`) and went on;
 - no stray temporaries: no atomic-write temporaries under the run directory, no vLLM scratch dir of the run.
 Data positions are the task-stream position at each cut. With continuous dispatch a batch can be cut entirely from
 groups drawn before the previous cut, so equal neighbours are expected; a decrease would be a rewind.

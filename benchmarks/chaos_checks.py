@@ -115,6 +115,14 @@ def check_faults(soak: Soak) -> list[tuple[str, bool, str]]:
         ridden = [f for f in soak.faults if f["kind"] == kind]
         detail = ", ".join(f"{f['recovered_s']} s ({f['steps_during']} during)" for f in ridden) or "none"
         checks.append((f"the run went on through every {kind}", all(f["went_on"] for f in ridden), detail))
+    reruns = [f for f in soak.faults if f["kind"] == "store_down_at_start"]
+    checks.append(
+        (
+            "each rerun without its tracking server waited for it and went on",
+            all(f["waited_for_store"] for f in reruns),
+            f"{sum(f['waited_for_store'] for f in reruns)} of {len(reruns)}",
+        )
+    )
     seconds = [f["second"] for f in soak.faults if "second" in f]
     checks.append(
         (

@@ -6,7 +6,7 @@
   the orchestrator's batch, metrics and sample writes stall there, never tear or drop;
 - `arm_nonfinite_step`: the trainer's next step on rank 0 gets a NaN loss (primerl.utils.failpoints);
 - `tear_samples_line`: what a kill mid-append leaves in `rollouts/samples.jsonl`;
-- `damage_newest_checkpoint`: the newest checkpoint truncated, as a shared filesystem may deliver it;
+- `damage_newest_checkpoint`: the newest checkpoint truncated or missing a file, as a shared filesystem may deliver it;
 - `second_run`: the same command into another run directory while the first runs: refused at once, with one line,
   leaving nothing behind and the first run undisturbed.
 """
@@ -134,15 +134,19 @@ def tear_samples_line(run: Path) -> None:
         f.write('{"step": 0, "task": "torn by the chaos so')
 
 
-def damage_newest_checkpoint(run: Path) -> Path | None:
-    """Truncate the largest file of the newest STABLE checkpoint to half, as a shared filesystem that delivered it
-    short leaves it; the next start must set it aside and resume from the one before. Returns the checkpoint."""
+def damage_newest_checkpoint(run: Path, missing: bool = False) -> Path | None:
+    """Truncate the largest file of the newest STABLE checkpoint to half, or remove it (`missing`), as a shared
+    filesystem that delivered it short or not at all leaves it; the next start must set the checkpoint aside and
+    resume from the one before. Returns the checkpoint."""
     step = latest_stable(checkpoints_root(run))
     if step is None:
         return None
     path = checkpoint_path(run, step)
     largest = max((p for p in path.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
-    os.truncate(largest, largest.stat().st_size // 2)
+    if missing:
+        largest.unlink()
+    else:
+        os.truncate(largest, largest.stat().st_size // 2)
     return path
 
 

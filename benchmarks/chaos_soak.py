@@ -25,9 +25,18 @@ from primerl.utils.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # the run stops; the user reruns it (torn_samples and damaged_checkpoint: kill -9 of the orchestrator, of the trainer,
-# then the damage a kill or a shared filesystem can leave)
-STOPPING = ("trainer", "orchestrator", "inference", "driver", "torn_samples", "damaged_checkpoint")
-RIDDEN = ("vllm", "nan_step", "store_down", "store_locked", "disk_full", "second_run", "vllm_mid_transfer")
+# then the damage a kill or a shared filesystem can leave; store_down_at_start: kill -9 of the driver, then the rerun
+# meets its tracking server down)
+STOPPING = (
+    "trainer",
+    "orchestrator",
+    "inference",
+    "driver",
+    "torn_samples",
+    "damaged_checkpoint",
+    "store_down_at_start",
+)
+RIDDEN = ("vllm", "nan_step", "store_down", "store_locked", "disk_full", "second_run", "slow_env", "vllm_mid_transfer")
 KINDS = STOPPING + RIDDEN
 SAMPLE_EVERY = 5
 
@@ -40,8 +49,9 @@ def _cmdline(pid: int) -> bytes:
 
 
 def target_pid(kind: str, run: Path, driver: subprocess.Popen) -> int | None:
-    """The process a kill of `kind` hits (torn_samples: the orchestrator; damaged_checkpoint: the trainer)."""
-    if kind == "driver":
+    """The process a kill of `kind` hits (torn_samples: the orchestrator; damaged_checkpoint: the trainer;
+    store_down_at_start: the driver)."""
+    if kind in ("driver", "store_down_at_start"):
         return driver.pid
     kind = {"torn_samples": "orchestrator", "damaged_checkpoint": "trainer"}.get(kind, kind)
     marks = {"vllm": b"vllm.entrypoints.openai.api_server"} | {k: f"-m\0primerl.{k}\0".encode() for k in KINDS[:3]}
@@ -186,23 +196,38 @@ class Soak:
             os.kill(p, signal.SIGKILL)
         if kind == "torn_samples":
             tear_samples_line(self.run)
+        fault = {
+            "kind": kind,
+            "at_step": step,
+            "driver_exit": self.driver.returncode,
+            "stopped_s": round(time.monotonic() - killed_at, 1),
+        }
+        self.driver = None
         if kind == "damaged_checkpoint":
-            damage_newest_checkpoint(self.run)
-        self.faults.append(
-            {
-                "kind": kind,
-                "at_step": step,
-                "driver_exit": self.driver.returncode,
-                "stopped_s": round(time.monotonic() - killed_at, 1),
-            }
-        )
+            fault["damage"] = self.rng.choice(["truncated", "missing"])
+            damage_newest_checkpoint(self.run, missing=fault["damage"] == "missing")
+        if kind == "store_down_at_start":
+            fault["waited_for_store"] = self.rerun_without_store()
+        self.faults.append(fault)
+        extra = "".join(f"; {k} {fault[k]}" for k in ("damage", "waited_for_store") if k in fault)
         print(
-            f"fault {len(self.faults)}: {kind} at step {step}; driver exit {self.driver.returncode}; "
-            f"everything stopped after {self.faults[-1]['stopped_s']} s",
+            f"fault {len(self.faults)}: {kind} at step {step}; driver exit {fault['driver_exit']}; "
+            f"everything stopped after {fault['stopped_s']} s{extra}",
             flush=True,
         )
-        self.driver = None
         return True
+
+    def rerun_without_store(self) -> bool:
+        """Rerun with the tracking server down; start it again once the driver says it waits for it (the
+        wait is `ledger.connect_timeout_s`, 60 s). Whether the driver waited and then found it."""
+        self.server.kill()
+        self.start_driver()
+        log = Path(self.driver_log.name)
+        waited = wait_for(lambda: "does not answer; waiting" in log.read_text() or not self.alive(), 300)
+        time.sleep(self.rng.uniform(0, 10))
+        self.server.start()
+        found = wait_for(lambda: "answers" in log.read_text().split("does not answer")[-1], 120)
+        return waited and found and self.alive()
 
     def ride(self, kind: str) -> None:
         """Inject a fault the run must go on through; then wait for four more trained steps."""
@@ -221,6 +246,11 @@ class Soak:
         elif kind == "nan_step":
             arm_nonfinite_step(self.failpoints)
             wait_for(lambda: not (self.failpoints / "trainer.nonfinite_loss").exists() or not self.alive(), 300)
+        elif kind == "slow_env":  # every rollout waits 2 s first, for OUTAGE_S
+            (self.failpoints / "env.slow").parent.mkdir(parents=True, exist_ok=True)
+            (self.failpoints / "env.slow").touch()
+            time.sleep(OUTAGE_S)
+            (self.failpoints / "env.slow").unlink()
         elif kind == "second_run":
             fault["second"] = second_run(self.cmd, ROOT, self.work / f"second-{len(self.faults)}", self.failpoints)
         else:

@@ -18,6 +18,7 @@ from primerl.ledger.follower import MetricsFollower
 from primerl.ledger.mlflow_ledger import Ledger, flatten
 from primerl.metrics import append_metrics
 from primerl.transport.run_dir import ledger_offsets_path
+from primerl.utils.errors import RunError
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
 from tests.conftest import run_module, wandb_offline_records
@@ -319,8 +320,18 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
 
 
 @pytest.mark.slow
-def test_real_mlflow_server_on_loopback(tmp_path):
+def test_real_mlflow_server_on_loopback(tmp_path, caplog):
+    """A run waits for a tracking server that is still starting and records to it; one that never answers is one
+    line naming it (without the credentials in its URI) after ledger.connect_timeout_s, not MLflow's minutes of
+    retries and a traceback."""
     port = free_port()
+    cfg, resolved = _cfg(
+        tmp_path, f"ledger.tracking_uri=http://user:hunter2@127.0.0.1:{port}", "ledger.connect_timeout_s=2"
+    )
+    started = time.monotonic()
+    with pytest.raises(RunError, match=rf"no tracking server answers at http://127.0.0.1:{port} \(waited 2 s\)"):
+        Ledger.open(cfg, resolved, tmp_path / "refused")
+    assert time.monotonic() - started < 30 and "hunter2" not in caplog.text
     server = subprocess.Popen(
         [
             sys.executable,
@@ -342,15 +353,11 @@ def test_real_mlflow_server_on_loopback(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        cfg, resolved = _cfg(tmp_path, "name=server_test", f"ledger.tracking_uri=http://127.0.0.1:{port}")
-        ledger = Ledger.open(cfg, resolved, tmp_path / "run")
+        cfg, resolved = _cfg(
+            tmp_path, "name=server_test", f"ledger.tracking_uri=http://127.0.0.1:{port}", "ledger.connect_timeout_s=120"
+        )
+        ledger = Ledger.open(cfg, resolved, tmp_path / "run")  # the server is still starting: the run waits for it
+        assert f"the tracking server at http://127.0.0.1:{port} does not answer; waiting" in caplog.text
         ledger.log_metrics(0, {"reward/mean": 0.25}, "orchestrator/")
         (tmp_path / "note.txt").write_text("hello")
         ledger.log_artifact(tmp_path / "note.txt")

@@ -21,6 +21,8 @@ class LedgerConfig:
     # None: $MLFLOW_TRACKING_URI when set, else an embedded sqlite store, <store_dir>/mlflow.db. Set here, it wins
     # over the variable (and the run says so).
     tracking_uri: str | None = None
+    # how long a run waits at start for a tracking server that does not answer, then stops with one line
+    connect_timeout_s: float = bounded(60.0, ge=0)
     store_dir: str = "outputs"  # relative to the launch directory; holds mlflow.db and mlartifacts/
     experiment_name: str | None = None  # None: $MLFLOW_EXPERIMENT_NAME when set, else the run's `name`
     sample_every: int = bounded(5, ge=1)  # log sample rollouts (JSON artifact and MLflow traces) every N steps

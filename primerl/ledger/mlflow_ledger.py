@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from primerl.config.schema import RunConfig
+from primerl.ledger.reach import wait_for_tracking_server
 from primerl.ledger.run_info import config_source_tags, env_tags, run_name, standard_tags, task_overrides
 from primerl.ledger.sweep import sweep_parent
 from primerl.ledger.system_info import system_tags
@@ -115,6 +116,8 @@ class Ledger:
     ) -> "Ledger":
         """Start (or, when `<run_dir>/ledger.json` exists, resume) this run's MLflow run."""
         store_dir = embedded_store(cfg)
+        if store_dir is None:
+            wait_for_tracking_server(tracking_uri(cfg), cfg.ledger.connect_timeout_s)
         # the first user of a new embedded store creates its tables; sweep jobs start together: one at a time
         with locked(store_dir / "mlflow.db") if store_dir else nullcontext():
             client = MlflowClient(tracking_uri(cfg))
