@@ -529,6 +529,10 @@ def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scor
     big = ledger.client.get_logged_model(record_policy(ledger, cfg, run_dir, policy, 4))
     assert big.tags["primerl.weights_dir"] == str(policy) and big.params["files_in_store"] == "False"
     assert ledger.client.list_logged_model_artifacts(big.model_id) == []
+    # a driver killed while logging leaves its model PENDING: the resumed driver logs that version again
+    pending = ledger.client.create_logged_model(ledger.experiment_id, "policy-v5", ledger.run_id)
+    again = record_policy(ledger, cfg, run_dir, policy, 5)
+    assert again not in (None, pending.model_id) and ledger.logged_model("policy-v5") == again
     ledger.finish()
 
 

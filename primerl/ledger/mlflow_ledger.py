@@ -199,9 +199,10 @@ class Ledger:
         log_rollout_trace(self.client, self.run_id, self.experiment_id, row, key)
 
     def logged_model(self, name: str) -> str | None:
-        """The id of this run's logged model `name` (primerl.ledger.logged_model), if it has one."""
+        """The id of this run's READY logged model `name` (primerl.ledger.logged_model), if it has one: one left
+        PENDING by a driver killed while logging it, or FAILED, is logged again by a resume."""
         found = self.client.search_logged_models([self.experiment_id], f"source_run_id = '{self.run_id}'")
-        return next((model.model_id for model in found if model.name == name), None)
+        return next((m.model_id for m in found if m.name == name and m.status == "READY"), None)
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params are write-once in MLflow: keys this run already has are left as they are (a resumed run logs the

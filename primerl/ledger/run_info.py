@@ -2,6 +2,7 @@
 (Source, Created by, Git commit, Description) and where its config came from."""
 
 import getpass
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -89,6 +90,12 @@ def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
     }
 
 
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    """Module -> distributions of everything installed: about 1 s to build, so once per process."""
+    return importlib.metadata.packages_distributions()
+
+
 def env_package(env_id: str) -> dict[str, str]:
     """The installed package of verifiers environment `env_id` (module: the id with `-` as `_`): its distribution and
     version, and a digest of its Python source, the reward definition a rerun must match. {} when not installed."""
@@ -105,7 +112,7 @@ def env_package(env_id: str) -> dict[str, str]:
     for path in files:
         digest.update(f"{path.relative_to(root.parent)}\n".encode())
         digest.update(path.read_bytes())
-    dists = importlib.metadata.packages_distributions().get(module, [])
+    dists = _distributions().get(module, [])
     version = f"{dists[0]}=={importlib.metadata.version(dists[0])}" if dists else "not a distribution"
     return {"package": version, "source_sha256": digest.hexdigest()[:16]}
 
