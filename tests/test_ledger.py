@@ -3,7 +3,6 @@
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time

@@ -1,8 +1,8 @@
 """What a run's record says about it beside its config: its name in the UI, its description, MLflow's standard tags
 (Source, Created by, Git commit, Description) and where its config came from."""
 
-import getpass
 import functools
+import getpass
 import hashlib
 import importlib.metadata
 import importlib.util
