@@ -29,7 +29,7 @@ train: install
 	$(PY) -m primerl.train +experiment=$(EXPERIMENT)
 
 sft: install
-	$(PY) -m primerl.sft +experiment=$(EXPERIMENT)
+	$(PY) -m primerl sft +experiment=$(EXPERIMENT)
 
 # the default suite; `long` tests (several minutes each) run in CI after it, or with `make test-long`
 test: install

@@ -85,7 +85,7 @@ def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout
     directory: the stand-ins load nothing). Returns the CPU seconds of its own process and of its env workers from
     batch 0 to the last batch."""
     log = open(run / "orchestrator-stdout.log", "wb")
-    cmd = [*pinned(core), sys.executable, "-m", "primerl.orchestrator", *overrides]
+    cmd = [*pinned(core), sys.executable, "-m", "primerl.entrypoints.orchestrator", *overrides]
     orchestrator = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     watched, deadline, cpu_at = psutil.Process(orchestrator.pid), time.monotonic() + timeout_s, {}
     try:

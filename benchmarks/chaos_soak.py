@@ -54,7 +54,9 @@ def target_pid(kind: str, run: Path, driver: subprocess.Popen) -> int | None:
     if kind in ("driver", "store_down_at_start"):
         return driver.pid
     kind = {"torn_samples": "orchestrator", "damaged_checkpoint": "trainer"}.get(kind, kind)
-    marks = {"vllm": b"vllm.entrypoints.openai.api_server"} | {k: f"-m\0primerl.{k}\0".encode() for k in KINDS[:3]}
+    marks = {"vllm": b"vllm.entrypoints.openai.api_server"} | {
+        k: f"-m\0primerl.entrypoints.{k}\0".encode() for k in KINDS[:3]
+    }
     pids = [p for p in run_processes(run) if marks[kind] in _cmdline(p)]
     return min(pids) if pids else None
 

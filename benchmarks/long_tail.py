@@ -97,7 +97,7 @@ def generation_run(mode: str, args, model: str | None, run_dir: Path) -> tuple[l
     args_ = [*overrides(mode, args, model, args.steps, args.steps), f"output_dir={run_dir}"]
     port = int(next(a for a in args_ if a.startswith("inference.port=")).split("=")[1])
     server = subprocess.Popen(
-        [sys.executable, "-m", "primerl.inference", *args_, f"hydra.run.dir={run_dir}/logs/inf"],
+        [sys.executable, "-m", "primerl.entrypoints.inference", *args_, f"hydra.run.dir={run_dir}/logs/inf"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -108,7 +108,7 @@ def generation_run(mode: str, args, model: str | None, run_dir: Path) -> tuple[l
             if server.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"{mode}: the inference server did not start (logs in {run_dir}/logs)")
             time.sleep(1)
-        cmd = [sys.executable, "-m", "primerl.orchestrator", *args_, f"hydra.run.dir={run_dir}/logs/orch"]
+        cmd = [sys.executable, "-m", "primerl.entrypoints.orchestrator", *args_, f"hydra.run.dir={run_dir}/logs/orch"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             sys.exit(f"{mode} (generation only) failed:\n{result.stderr[-3000:]}")

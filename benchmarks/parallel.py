@@ -68,7 +68,7 @@ def main() -> None:
                 "--standalone",
                 f"--nproc-per-node={nproc}",
                 "-m",
-                "primerl.trainer",
+                "primerl.entrypoints.trainer",
                 "+experiment=reverse_text",
                 "sft.enabled=false",
                 f"model={model}",

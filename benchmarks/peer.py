@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.inference import arch_overrides
 from primerl.app import check
-from primerl.eval.__main__ import evaluate
+from primerl.entrypoints.eval import evaluate
 from primerl.launch.local import trainer_threads
 from primerl.launch.start import prepare_start_model
 from primerl.metrics import OrchestratorMetric, TrainerMetric, read_metrics

@@ -194,20 +194,20 @@ def preflight(argv: list[str], config_name: str = "config") -> None:
 
 
 def _process_name(task: Callable) -> str:
-    """`trainer` for primerl.trainer.__main__ (run as `python -m primerl.trainer`, where __module__ is `__main__`)."""
+    """`trainer` for primerl.entrypoints.trainer (also run as `-m primerl.entrypoints.trainer`, where __module__ is
+    `__main__`), `train` for primerl.train."""
     module = task.__module__
     if module == "__main__":
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         module = spec.name if spec is not None else "primerl"
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else parts[0]
+    return module.removeprefix("primerl.entrypoints.").removeprefix("primerl.").split(".")[0]
 
 
 def help_header(task: Callable) -> str:
     """The override that opens `primerl COMMAND --help` with what the command does: its module's docstring."""
     module = sys.modules.get(task.__module__)
     doc = (getattr(module, "__doc__", None) or "").strip().split("\n\n")[0]
-    if doc.startswith("`") and "`: " in doc:  # "`python -m primerl.eval`: score ..." -> "score ..."
+    if doc.startswith("`") and "`: " in doc:  # "`primerl eval`: score ..." -> "score ..."
         doc = doc.split("`: ", 1)[1]
     name = _process_name(task)
     text = f"primerl {name}: {doc}\n" if doc else f"primerl {name}\n"

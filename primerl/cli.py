@@ -1,7 +1,7 @@
 """`primerl COMMAND [OVERRIDES...]`: every primerl entry point behind one installed command.
 
-Each command is the module `python -m primerl.<module>` runs, with the same Hydra overrides and the same one-line
-config errors; `primerl COMMAND --help` shows Hydra's help for it (the config groups and their options).
+Each command is a module (`primerl.train`, `primerl.compare`, `primerl.replay`, `primerl.rerun`, and the processes of a
+run in `primerl.entrypoints`) with the same Hydra overrides and the same one-line config errors; `primerl COMMAND --help` shows Hydra's help for it (the config groups and their options).
 """
 
 import importlib
@@ -9,14 +9,17 @@ import sys
 
 COMMANDS = {  # command: (module, what it does)
     "train": ("primerl.train", "the whole RL run: SFT warm-start if needed, inference, orchestrator, trainer"),
-    "sft": ("primerl.sft", "the SFT warm-start alone (reused by later runs with the same settings)"),
-    "eval": ("primerl.eval", "score a model, or a run's policy, on any verifiers environment"),
+    "sft": ("primerl.entrypoints.sft", "the SFT warm-start alone (reused by later runs with the same settings)"),
+    "eval": ("primerl.entrypoints.eval", "score a model, or a run's policy, on any verifiers environment"),
     "compare": ("primerl.compare", "compare runs recorded in the MLflow ledger (table and reward curves)"),
     "rerun": ("primerl.rerun", "run a recorded run again from its MLflow record (its overrides, seeds and commit)"),
     "replay": ("primerl.replay", "train a run's stored batches again and check each step against its record"),
-    "inference": ("primerl.inference", "serve the run's policy with vLLM (one process of a run)"),
-    "orchestrator": ("primerl.orchestrator", "rollouts to trainer batches (one process of a run)"),
-    "trainer": ("primerl.trainer", "the FSDP2 RL trainer (one process of a run; torchrun for several ranks)"),
+    "inference": ("primerl.entrypoints.inference", "serve the run's policy with vLLM (one process of a run)"),
+    "orchestrator": ("primerl.entrypoints.orchestrator", "rollouts to trainer batches (one process of a run)"),
+    "trainer": (
+        "primerl.entrypoints.trainer",
+        "the FSDP2 RL trainer (one process of a run; torchrun for several ranks)",
+    ),
 }
 
 USAGE = """usage: primerl COMMAND [OVERRIDES...]
@@ -59,9 +62,7 @@ def main() -> None:
     if command not in COMMANDS:
         print(f"primerl: unknown command '{command}'; one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(2)
-    module = importlib.import_module(
-        COMMANDS[command][0] + ("" if command in ("train", "compare", "replay", "rerun") else ".__main__")
-    )
+    module = importlib.import_module(COMMANDS[command][0])
     sys.argv = [f"primerl {command}", *sys.argv[2:]]
     status = (
         module.main()

@@ -107,7 +107,7 @@ def train(run: Path, out: Path, cfg: RunConfig, overrides: list[str], end: int) 
     # not (and the math does not depend on how a version travels)
     overrides = [*overrides, f"trainer.stop_at={end}", "weights.transport=filesystem"]
     threads = trainer_threads(cfg)  # as the local launcher gives them: float sums depend on the thread count
-    cmd = module_command("primerl.trainer", overrides, out, cfg.launcher.trainer_tasks_per_node)
+    cmd = module_command("primerl.entrypoints.trainer", overrides, out, cfg.launcher.trainer_tasks_per_node)
     log = log_path(out, "trainer")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"replay: training steps of {run} into {out} (log: {log})", flush=True)

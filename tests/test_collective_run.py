@@ -46,7 +46,7 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
         _wait_for(lambda: f"127.0.0.1:{port} is back" in orchestrator_log.read_text(), "replica 0 back", train, 600)
         back_at = len(read_metrics(run, "trainer"))
         _wait_for(lambda: len(read_metrics(run, "trainer")) >= back_at + 2, "2 steps with both replicas", train, 600)
-        _kill_child(train, run, "primerl.trainer")
+        _kill_child(train, run, "primerl.entrypoints.trainer")
     finally:
         if train.poll() is None:
             train.kill()

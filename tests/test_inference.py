@@ -569,12 +569,12 @@ def test_a_server_that_dies_before_serving_is_restarted_a_bounded_number_of_time
     """A server that passes readiness and dies at its first request counts against the restart budget (readiness is
     no proof of serving): after MAX_RESTARTS the inference process stops with one line quoting the engine's own
     error, not the leak report after it. One that served before it died is a fault to ride out: restarted again."""
-    from primerl.inference.__main__ import MAX_RESTARTS
+    from primerl.entrypoints.inference import MAX_RESTARTS
     from primerl.inference.guard import API_KEY_ENV
     from primerl.transport.identity import SERVER_ID_ENV
     from tests.workers.dies_at_first_request import ENGINE_ERROR
 
-    monkeypatch.setattr("primerl.inference.__main__.HEALTH_EVERY_S", 0.2)
+    monkeypatch.setattr("primerl.entrypoints.inference.HEALTH_EVERY_S", 0.2)
     env = {API_KEY_ENV: API_KEY, SERVER_ID_ENV: "run-id", "PYTHONPATH": str(Path(__file__).parents[1])}
     for serve_first in (False, True):
         spec = ServerSpec(args=[], env=dict(env), port=free_port())
@@ -608,7 +608,7 @@ def test_a_server_that_dies_before_serving_is_restarted_a_bounded_number_of_time
 
 
 def _supervise(server, outcome: list) -> None:
-    from primerl.inference.__main__ import keep_serving
+    from primerl.entrypoints.inference import keep_serving
     from primerl.utils.errors import RunError
 
     try:

@@ -110,10 +110,10 @@ def test_a_rerun_clears_processes_and_temporaries_a_dead_driver_left(tmp_path):
     # output_dir=<run>), and processes that must be left alone: another run's, a run nested in this one, and one
     # that is not primerl's but names the run (a monitor, a wrapper)
     sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-    leftover = subprocess.Popen([*sleep, "-m", "primerl.trainer", f"output_dir={run}"])
+    leftover = subprocess.Popen([*sleep, "-m", "primerl.entrypoints.trainer", f"output_dir={run}"])
     others = [
-        subprocess.Popen([*sleep, "-m", "primerl.trainer", f"output_dir={run}-other"]),
-        subprocess.Popen([*sleep, "-m", "primerl.trainer", f"output_dir={run}/ablation"]),
+        subprocess.Popen([*sleep, "-m", "primerl.entrypoints.trainer", f"output_dir={run}-other"]),
+        subprocess.Popen([*sleep, "-m", "primerl.entrypoints.trainer", f"output_dir={run}/ablation"]),
         subprocess.Popen([*sleep, "watch", f"output_dir={run}"]),
     ]
     # what atomic_dir and atomic_file leave when their process is killed mid-write (the names they use), and

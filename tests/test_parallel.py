@@ -70,7 +70,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         write_rollout_batch(run, batch)
         layout = [f"parallelism={parallelism}", *savers] if nproc > 1 else []
         result = run_module(
-            "primerl.trainer",
+            "primerl.entrypoints.trainer",
             *args,
             *layout,
             f"output_dir={run}",

@@ -73,7 +73,7 @@ def test_prefill_and_decode_through_the_router_serve_what_the_model_computes_and
     `inference.pd.enabled` (primerl.eval's `served_at`): greedy token ids and log-probs as transformers computes them,
     the prompt's KV carried from prefill to decode (plain and streamed), an update that reaches both servers and
     empties the KV store, and nothing of the store left once the serving ends."""
-    from primerl.eval.__main__ import served_at
+    from primerl.entrypoints.eval import served_at
 
     ports = [free_port() for _ in range(3)]
     pd = cpu_pd_overrides(ports)

@@ -40,7 +40,7 @@ def recorded(cache_dir, tmp_path_factory):
     for step in range(3):
         batch = build_batch(samples, step, seq_len=512, micro_batch_size=8, pad_id=0, temperature=1.0, async_level=1)
         write_rollout_batch(run, batch)
-    result = run_module("primerl.trainer", *overrides, f"output_dir={run}", f"hydra.run.dir={run}/logs")
+    result = run_module("primerl.entrypoints.trainer", *overrides, f"output_dir={run}", f"hydra.run.dir={run}/logs")
     assert result.returncode == 0, result.stderr[-3000:]
     (run / ".hydra").mkdir()
     (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))

@@ -407,7 +407,7 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
         monkeypatch.setenv("SLURMD_NODENAME", node)
         job = ModuleJob(
             "inference" if index == 0 else f"inference-{index}",
-            "primerl.inference",
+            "primerl.entrypoints.inference",
             [],
             str(tmp_path),
             inference_host="0.0.0.0",
@@ -433,11 +433,11 @@ def test_inference_jobs_on_several_nodes_advertise_their_replicas(tmp_path, monk
     ]
     assert json.loads((tmp_path / "inference_address.1.json").read_text())["job_id"] == "12"
     orchestrator = ModuleJob(
-        "orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "12"], wait_s=5
+        "orchestrator", "primerl.entrypoints.orchestrator", [], str(tmp_path), inference_job_ids=["11", "12"], wait_s=5
     )
     assert orchestrator._address_overrides() == ["inference.host=node1", "inference.port=9000"]
     stale = ModuleJob(
-        "orchestrator", "primerl.orchestrator", [], str(tmp_path), inference_job_ids=["11", "99"], wait_s=1
+        "orchestrator", "primerl.entrypoints.orchestrator", [], str(tmp_path), inference_job_ids=["11", "99"], wait_s=1
     )
     with pytest.raises(RuntimeError, match="no address from inference job 99"):
         stale._address_overrides()  # an earlier attempt's address is not this job's
@@ -459,13 +459,13 @@ def test_prefill_and_decode_jobs_meet_through_their_addresses_and_the_routers_fo
     job = {"inference_host": "0.0.0.0", "inference_replicas": 2, "inference_index": 1, "wait_s": 5}
     monkeypatch.setenv("SLURM_JOB_ID", "21")
     monkeypatch.setenv("SLURMD_NODENAME", "node3")
-    prefill_job = ModuleJob("prefill-1", "primerl.inference", [], str(tmp_path), pd_role="prefill", **job)
+    prefill_job = ModuleJob("prefill-1", "primerl.entrypoints.inference", [], str(tmp_path), pd_role="prefill", **job)
     prefill = check([*run, *prefill_job._address_overrides()]).inference
     assert (prefill.replicas, prefill.pd.role.value, prefill.pd.first_pair) == (2, "prefill", 2)
     monkeypatch.setenv("SLURM_JOB_ID", "22")
     monkeypatch.setenv("SLURMD_NODENAME", "node2")
     decode_job = ModuleJob(
-        "decode-1", "primerl.inference", [], str(tmp_path), pd_role="decode", prefill_job_id="21", **job
+        "decode-1", "primerl.entrypoints.inference", [], str(tmp_path), pd_role="decode", prefill_job_id="21", **job
     )
     decode = check([*run, *decode_job._address_overrides()]).inference
     assert (decode.pd.prefill_host, decode.pd.prefill_port) == ("node3", prefill.pd.prefill_port)
@@ -479,7 +479,9 @@ def test_prefill_and_decode_jobs_meet_through_their_addresses_and_the_routers_fo
     write_address(tmp_path, 1, "node1", 9500, "21", role="prefill")  # requeued onto node1
     assert follow_prefill(routers, tmp_path, decode) == ["http://node1:9500", "http://node1:9501"]
     assert [router.prefill_url for router in routers] == ["http://node1:9500", "http://node1:9501"]
-    stale = ModuleJob("decode-1", "primerl.inference", [], str(tmp_path), pd_role="decode", prefill_job_id="99", **job)
+    stale = ModuleJob(
+        "decode-1", "primerl.entrypoints.inference", [], str(tmp_path), pd_role="decode", prefill_job_id="99", **job
+    )
     with pytest.raises(RuntimeError, match="no address from prefill job 99"):
         stale._address_overrides()
 

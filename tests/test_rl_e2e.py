@@ -339,10 +339,10 @@ def test_killed_trainer_or_orchestrator_resumes_where_it_stopped(cache_dir, tmp_
     # after 2 trainer rows the checkpoint of step 1 is STABLE (the save of step 2 waits for it): the kill may only
     # catch step 2's in flight (trainer.checkpoint_async), which the restart replays
     with _run_until_trainer_step(run, 2, *same, steps=steps) as train:
-        _kill_child(train, run, "primerl.trainer")
+        _kill_child(train, run, "primerl.entrypoints.trainer")
     run_id = json.loads((run / "ledger.json").read_text())["run_id"]
     with _run_until_trainer_step(run, 3, *same, steps=steps) as train:
-        _kill_child(train, run, "primerl.orchestrator")
+        _kill_child(train, run, "primerl.entrypoints.orchestrator")
     result = subprocess.run(_train_cmd(run, *same, steps=steps), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -510,7 +510,7 @@ def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores
     env = {"PYTHONPATH": f"{ROOT / 'tests' / 'envs'}:{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "eval"
     scored = run_module(
-        "primerl.eval",
+        "primerl.entrypoints.eval",
         *common,
         "env=verifiers",
         "env.id=faulty-reverse-text",
@@ -551,5 +551,5 @@ def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores
         (["eval.k=5"], "eval.k: 5 exceeds"),
         (["eval.run=null", f"eval.model={tmp_path}"], "is neither a Hugging Face model directory nor a LoRA adapter"),
     ):
-        result = run_module("primerl.eval", *common, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
+        result = run_module("primerl.entrypoints.eval", *common, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert result.returncode == 2 and key in result.stderr and len(result.stderr.strip().splitlines()) == 1

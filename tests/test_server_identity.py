@@ -94,7 +94,7 @@ def test_a_client_takes_only_its_own_runs_server(other_server, tmp_path):
     assert server_identity(tmp_path) == server_identity(tmp_path / "." / "x" / "..")  # the resolved run directory
 
 
-@pytest.mark.parametrize("module", ["primerl.train", "primerl.inference"])
+@pytest.mark.parametrize("module", ["primerl.train", "primerl.entrypoints.inference"])
 def test_a_second_run_on_a_taken_port_is_refused_at_once(other_server, tmp_path, module):
     port, _, _ = other_server
     assert port_taken("127.0.0.1", port) and not port_taken("127.0.0.1", free_port())

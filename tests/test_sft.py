@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from primerl.app import check
 from primerl.config.model import TinyArchConfig
+from primerl.entrypoints.sft import STOP_WINDOW, assistant_loss_sum, stop_reached
 from primerl.model.tiny import build_tiny_model, build_tokenizer
-from primerl.sft.__main__ import STOP_WINDOW, assistant_loss_sum, stop_reached
 from primerl.sft.cache import data_digest, sft_checkpoint_dir
 from primerl.sft.data import IGNORE, PackedBatch, chat_example, conversation_example, load_conversations, pack
 from primerl.sft.source import check_demonstrations
@@ -182,7 +182,7 @@ def test_sft_one_rank_equals_two_ranks(tmp_path):
     for nproc in (1, 2):
         out = tmp_path / f"np{nproc}"
         result = run_module(
-            "primerl.sft",
+            "primerl.entrypoints.sft",
             *args,
             f"cache_dir={out}/cache",
             f"hydra.run.dir={out}",
@@ -227,19 +227,21 @@ def test_sft_from_a_chat_dataset(tmp_path):
         f"hydra.run.dir={tmp_path}/out",
         "ledger.enabled=false",
     ]
-    result = run_module("primerl.sft", *args, f"sft.data={data}")
+    result = run_module("primerl.entrypoints.sft", *args, f"sft.data={data}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
     assert len(metrics["losses"]) == 3 == metrics["steps"] and metrics["loss_final"] == metrics["losses"][-1]
     assert (tmp_path / "cache" / "sft").is_dir()
     # sft.stop_loss ends it at the first full window whose mean is low enough: here the first
-    result = run_module("primerl.sft", *args, f"sft.data={data}", f"sft.steps={STOP_WINDOW + 20}", "sft.stop_loss=100")
+    result = run_module(
+        "primerl.entrypoints.sft", *args, f"sft.data={data}", f"sft.steps={STOP_WINDOW + 20}", "sft.stop_loss=100"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "sft_metrics.json").read_text())
     assert metrics["steps"] == len(metrics["losses"]) == STOP_WINDOW
     assert f"stopping at step {STOP_WINDOW}: mean loss of the last {STOP_WINDOW} steps" in result.stdout + result.stderr
     # bad input: one line, exit 2, on the command line (one case; the others by the check SFT runs first)
-    result = run_module("primerl.sft", *args, "sft.data=null")
+    result = run_module("primerl.entrypoints.sft", *args, "sft.data=null")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
     assert "sft.data: no demonstrations for env.id=primerl-guess-number" in result.stderr
     for bad, why in (

@@ -52,7 +52,7 @@ def _trainer(args: list[str], file_size_limit: int | None = None) -> subprocess.
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
     return subprocess.run(
-        [sys.executable, "-m", "primerl.trainer", *args],
+        [sys.executable, "-m", "primerl.entrypoints.trainer", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

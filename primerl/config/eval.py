@@ -1,4 +1,4 @@
-"""`eval` section: what `python -m primerl.eval` and the online evals of `train` evaluate, and how (a section of
+"""`eval` section: what `primerl eval` and the online evals of `train` evaluate, and how (a section of
 the run config, not a group)."""
 
 from dataclasses import dataclass, field

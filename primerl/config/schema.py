@@ -38,7 +38,7 @@ class RunConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)  # trainer -> inference (primerl.transport)
     sft: SftConfig = field(default_factory=SftConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)  # python -m primerl.eval
+    eval: EvalConfig = field(default_factory=EvalConfig)  # primerl eval
     fork: ForkConfig = field(default_factory=ForkConfig)  # start from another run's checkpoint
     # settings a resumed run may change although it was started with others (primerl.launch.resume), e.g.
     # [trainer.optim.lr]; a key names itself and everything below it

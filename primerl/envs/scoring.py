@@ -1,6 +1,6 @@
 """Evaluation rollouts and their scores: mean with its standard error, avg@k, unbiased pass@k (Chen et al., 2021).
 
-Shared by `python -m primerl.eval` and the orchestrator's online evals (primerl.orchestrator.online_eval).
+Shared by `primerl eval` and the orchestrator's online evals (primerl.orchestrator.online_eval).
 """
 
 import asyncio

@@ -45,7 +45,7 @@ class LocalLauncher:
     def run_sft(self, overrides: list[str]) -> None:
         """In the foreground, so that its progress bar shows."""
         cmd = module_command(
-            "primerl.sft", overrides, sft_run_dir(self.run_dir), self.cfg.launcher.trainer_tasks_per_node
+            "primerl.entrypoints.sft", overrides, sft_run_dir(self.run_dir), self.cfg.launcher.trainer_tasks_per_node
         )
         if subprocess.run(dies_with_parent(cmd), env=child_env() | LOOPBACK_GLOO).returncode != 0:
             raise ChildFailed("SFT warm-start failed (its output is above)")
@@ -57,16 +57,16 @@ class LocalLauncher:
             overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
         nproc = self.cfg.launcher.trainer_tasks_per_node
         gpus = plan_gpus(self.cfg.launcher, self.cfg.inference, visible_gpus())  # replicas: primerl.inference
-        self._spawn("inference", module_command("primerl.inference", overrides, self.run_dir), child_env())
+        self._spawn("inference", module_command("primerl.entrypoints.inference", overrides, self.run_dir), child_env())
         self._spawn(
             "orchestrator",
-            module_command("primerl.orchestrator", overrides, self.run_dir),
+            module_command("primerl.entrypoints.orchestrator", overrides, self.run_dir),
             child_env(threads=1) | gpus.orchestrator_env(),
         )
         threads = trainer_threads(self.cfg)
         self._spawn(
             "trainer",
-            module_command("primerl.trainer", overrides, self.run_dir, nproc),
+            module_command("primerl.entrypoints.trainer", overrides, self.run_dir, nproc),
             child_env(threads=threads) | LOOPBACK_GLOO | gpus.trainer_env(),
         )
 

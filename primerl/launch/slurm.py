@@ -92,7 +92,7 @@ class SlurmLauncher:
         return {"nodes": lc.trainer_nodes, "tasks": lc.trainer_tasks_per_node, "gpus": lc.trainer_gpus}
 
     def run_sft(self, overrides: list[str]) -> None:
-        self._submit("sft", "primerl.sft", overrides, **self._trainer_placement())
+        self._submit("sft", "primerl.entrypoints.sft", overrides, **self._trainer_placement())
 
         def ended() -> bool:
             self._refresh()
@@ -111,8 +111,10 @@ class SlurmLauncher:
         inf, lc = self.cfg.inference, self.cfg.launcher
         wait_s = inf.startup_timeout_s + 3600  # what it waits for may queue first
         ids = [self._start_serving(overrides, index, wait_s).job_id for index in range(lc.inference_jobs)]
-        self._submit("orchestrator", "primerl.orchestrator", overrides, inference_job_ids=ids, wait_s=wait_s)
-        self._submit("trainer", "primerl.trainer", overrides, **self._trainer_placement())
+        self._submit(
+            "orchestrator", "primerl.entrypoints.orchestrator", overrides, inference_job_ids=ids, wait_s=wait_s
+        )
+        self._submit("trainer", "primerl.entrypoints.trainer", overrides, **self._trainer_placement())
 
     def _start_serving(self, overrides: list[str], index: int, wait_s: float) -> submitit.Job:
         """Inference job `index`, or with prefill/decode its prefill job and then its decode job (returned)."""
@@ -127,13 +129,20 @@ class SlurmLauncher:
         }
         suffix = f"-{index}" if index else ""
         if not inf.pd.enabled:
-            return self._submit(f"inference{suffix}", "primerl.inference", overrides, gpus=lc.inference_gpus, **serving)
+            return self._submit(
+                f"inference{suffix}", "primerl.entrypoints.inference", overrides, gpus=lc.inference_gpus, **serving
+            )
         prefill = self._submit(
-            f"prefill{suffix}", "primerl.inference", overrides, gpus=lc.inference_gpus, pd_role="prefill", **serving
+            f"prefill{suffix}",
+            "primerl.entrypoints.inference",
+            overrides,
+            gpus=lc.inference_gpus,
+            pd_role="prefill",
+            **serving,
         )
         return self._submit(
             f"decode{suffix}",
-            "primerl.inference",
+            "primerl.entrypoints.inference",
             overrides,
             gpus=lc.inference_gpus,
             pd_role="decode",

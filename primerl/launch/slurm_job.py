@@ -94,7 +94,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
             raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
 
     def _address_overrides(self) -> list[str]:
-        if self.module == "primerl.inference":
+        if self.module == "primerl.entrypoints.inference":
             return self._serving_overrides()
         if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
             found = [

@@ -55,7 +55,7 @@ def prepare_start_adapter(cfg: RunConfig) -> Path | None:
     if not is_stable(trained):
         raise ConfigError(
             "sft.enabled",
-            f"the SFT adapter {trained} does not exist yet; run `python -m primerl.sft` with the same "
+            f"the SFT adapter {trained} does not exist yet; run `primerl sft` with the same "
             "config first, or set sft.enabled=false",
         )
     with atomic_dir(target, replace=False) as staging:  # the SFT adapter, copied: the run owns its version 0

@@ -1,6 +1,6 @@
 """The one policy of primerl's supervised pools: the inference replicas (primerl.orchestrator.replicas, recovered by
 the watcher), the env workers (primerl.envs.workers) and the vLLM servers of an inference job
-(primerl.inference.__main__).
+(primerl.entrypoints.inference).
 
 - Pick: a new request goes to the member with the fewest requests outstanding among those taking work; ties go to
   the lowest index (`least_outstanding`). Members marked down, starting or lost take nothing.

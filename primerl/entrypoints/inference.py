@@ -1,4 +1,4 @@
-"""`python -m primerl.inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
+"""`primerl inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
 
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
 else the base model; with LoRA, the base model and the run's start adapter (primerl.launch.start). Prints the base URL once ready.
@@ -90,7 +90,7 @@ def main(dict_cfg: DictConfig) -> None:
         raise ConfigError(
             "sft.enabled",
             f"the SFT checkpoint {model_path} does not exist yet; run "
-            "`python -m primerl.sft` with the same config first, or set sft.enabled=false",
+            "`primerl sft` with the same config first, or set sft.enabled=false",
         )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
     specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg))

@@ -1,4 +1,4 @@
-"""`python -m primerl.orchestrator`: continuous rollouts -> packed batches for the trainer; new policies -> vLLM.
+"""`primerl orchestrator`: continuous rollouts -> packed batches for the trainer; new policies -> vLLM.
 
 The components and their invariants are in primerl/orchestrator/loop.py; the wiring in orchestrator.py.
 """

@@ -1,12 +1,12 @@
-"""`python -m primerl.eval`: score a model, or a run's published policy, on any verifiers environment.
+"""`primerl eval`: score a model, or a run's published policy, on any verifiers environment.
 
 The same rollout path as training: a vLLM server (the `inference` group) serving the model, the env's own harness
 and reward functions, verifiers' train client. Every task of the first `eval.num_tasks` of the env's stream gets
 `eval.samples_per_task` rollouts at `eval.temperature`.
 
-    python -m primerl.eval +experiment=reverse_text eval.model=~/.cache/primerl/sft/reverse_text-XXXX
-    python -m primerl.eval +experiment=reverse_text eval.run=outputs/reverse_text/RUN eval.step=60
-    python -m primerl.eval env=verifiers env.id=ID +env.args.KEY=VALUE eval.model=DIR eval.samples_per_task=8 eval.k=8
+    primerl eval +experiment=reverse_text eval.model=~/.cache/primerl/sft/reverse_text-XXXX
+    primerl eval +experiment=reverse_text eval.run=outputs/reverse_text/RUN eval.step=60
+    primerl eval env=verifiers env.id=ID +env.args.KEY=VALUE eval.model=DIR eval.samples_per_task=8 eval.k=8
 
 By default (`eval.held_out=true`) the env's held-out split is used where it has one: `env.eval_args` merged over
 `env.args` (primerl-reverse-text: `{stream: eval}`, texts disjoint from its RL and SFT streams).

@@ -1,4 +1,4 @@
-"""`python -m primerl.trainer` (or `torchrun --nproc-per-node N -m primerl.trainer`): the FSDP2 RL trainer.
+"""`primerl trainer`: the FSDP2 RL trainer (on several ranks: `torchrun --nproc-per-node N -m primerl.entrypoints.trainer`).
 
 For step n = start..max_steps-1: wait for the orchestrator's batch n, train on it (micro-batches dealt round-robin
 over ranks; every rank runs the same number of forward/backward passes, padding with zero-weight ones), clip,

@@ -1,4 +1,4 @@
-"""SFT warm-start: `python -m primerl.sft +experiment=reverse_text` (or under torchrun for several ranks).
+"""SFT warm-start: `primerl sft +experiment=reverse_text` (or under torchrun for several ranks).
 
 Trains on demonstrations (the env's own, primerl.envs.demonstrations, or a user's chat dataset `sft.data=FILE.jsonl`)
 with loss on assistant tokens only, packed rows, on the same trainer as RL (primerl.trainer.trainer). The loss is
@@ -154,7 +154,7 @@ def main(dict_cfg: DictConfig) -> None:
                 },
             )
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {wall_s:.0f}s; checkpoint {out_dir}")
-            log.info(f"to score it on held-out tasks: python -m primerl.eval <these overrides> eval.model={out_dir}")
+            log.info(f"to score it on held-out tasks: primerl eval <these overrides> eval.model={out_dir}")
     finally:
         close_distributed()
 
