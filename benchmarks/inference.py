@@ -146,7 +146,7 @@ def model_of_width(hidden: int, root: Path) -> tuple[RunConfig, str]:
             *arch_overrides(hidden),
         ]
     )
-    return cfg, prepare_base_model(cfg)
+    return cfg, prepare_base_model(cfg.model, cfg.cache_dir)
 
 
 def weight_update(sizes: list[int], root: Path) -> None:

@@ -81,7 +81,7 @@ def main() -> None:
     ports = [free_port() for _ in range(4)]
     common = ["+experiment=reverse_text", "sft.enabled=false", f"output_dir={run}"]
     cfg = check([*common, *cpu_pd_overrides(ports)])
-    model = prepare_base_model(cfg)
+    model = prepare_base_model(cfg.model, cfg.cache_dir)
     specs = [
         *render_specs(cfg, model, "cpu"),
         *render_specs(check([*common, f"inference.port={ports[3]}"]), model, "cpu"),

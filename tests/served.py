@@ -36,7 +36,7 @@ def serve(cache_dir, tmp_path_factory):
             "orchestrator.seed_requests=true",  # the seeded-rollout test's server: chunked prefill off
         ]
     )
-    model = prepare_base_model(cfg)
+    model = prepare_base_model(cfg.model, cfg.cache_dir)
     (spec,) = render_specs(cfg, model, "cpu")
     assert API_KEY not in " ".join(spec.args)  # the key goes in the environment, not on a command line others can read
     spec.env[FAILPOINTS_ENV] = str(run / "failpoints")  # a test arms a worker's fault by creating a file there

@@ -36,7 +36,8 @@ def cache_dir_model() -> Path:
     """The default tiny model's directory (built on first use): a Hugging Face causal LM with a chat template."""
     from primerl.model.resolve import prepare_base_model
 
-    return Path(prepare_base_model(check([])))
+    cfg = check([])
+    return Path(prepare_base_model(cfg.model, cfg.cache_dir))
 
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)

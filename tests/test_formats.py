@@ -56,7 +56,7 @@ def write_fixture(run: Path, cache_dir: Path) -> None:
     from tests.conftest import model_samples
 
     cfg = check([*OVERRIDES, f"output_dir={run}", f"cache_dir={cache_dir}"])
-    samples = model_samples(prepare_base_model(cfg), n=8)
+    samples = model_samples(prepare_base_model(cfg.model, cfg.cache_dir), n=8)
     for step in (0, 1):
         batch = build_batch(samples, step, seq_len=128, micro_batch_size=4, pad_id=0, temperature=1.0, async_level=1)
         write_rollout_batch(run, batch)

@@ -517,7 +517,7 @@ def test_an_fp8_kv_cache_serves_within_its_quantisation_error_and_follows_an_in_
     check_supported(cfg.inference, "cpu")
     with pytest.raises(ConfigError, match="inference.quantization"):
         check_supported(check(["inference=vllm_fp8"]).inference, "cpu")
-    model = prepare_base_model(cfg)
+    model = prepare_base_model(cfg.model, cfg.cache_dir)
     (spec,) = render_specs(cfg, model, "cpu")
     assert spec.args[spec.args.index("--kv-cache-dtype") + 1] == "fp8"
     tok = AutoTokenizer.from_pretrained(model)
@@ -621,12 +621,12 @@ def test_a_model_the_cpu_engine_cannot_run_is_refused_before_anything_starts():
     from primerl.inference.vllm_args import check_servable
 
     cfg = check(["+experiment=reverse_text", "model.arch.head_dim=16"])
-    model = prepare_base_model(cfg)
+    model = prepare_base_model(cfg.model, cfg.cache_dir)
     with pytest.raises(ConfigError, match=r"model.arch.head_dim: head_dim 16: vLLM-CPU's attention runs head sizes"):
-        check_servable(cfg, model, "cpu")
-    check_servable(cfg, model, "cuda")  # GPU kernels take it
+        check_servable(cfg.model, model, "cpu")
+    check_servable(cfg.model, model, "cuda")  # GPU kernels take it
     ok = check(["+experiment=reverse_text"])
-    check_servable(ok, prepare_base_model(ok), "cpu")
+    check_servable(ok.model, prepare_base_model(ok.model, ok.cache_dir), "cpu")
 
 
 def _auth() -> dict[str, str]:

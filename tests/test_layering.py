@@ -22,6 +22,20 @@ ENTRY = len(LAYERS) - 1
 ENTRY_MODULES = ("launch.driver",)
 # what only the entry points may import: the Hydra app (one-line config errors, `hydra_app`)
 ENTRY_ONLY = ("primerl.app",)
+# Below `launch/`, a module takes the config sections it uses; these take the whole run's config, because what they
+# do is about the run as a whole (docs/architecture.md, "Layers"): the vLLM command line (inference, model, seed,
+# orchestrator and run directory), the run's record (tags from every section, params of all of it), the SFT
+# warm-start's cache key and data (model, env, seed, sft and the run's name), the orchestrator's wiring.
+WHOLE_RUN = {
+    "primerl.inference.vllm_args",
+    "primerl.ledger.mlflow_ledger",
+    "primerl.ledger.run_info",
+    "primerl.ledger.wandb_tracker",
+    "primerl.sft.cache",
+    "primerl.sft.source",
+    "primerl.orchestrator.orchestrator",
+    "primerl.orchestrator.runners",
+}
 
 
 def module_name(path: Path) -> str:
@@ -82,6 +96,17 @@ def test_only_entry_points_import_the_hydra_app():
     graph = import_graph()
     wrong = sorted(a for a, imported in graph.items() if layer(a) != ENTRY and imported & set(ENTRY_ONLY))
     assert not wrong, wrong
+
+
+def test_library_modules_take_config_sections_not_the_whole_run():
+    graph = import_graph()
+    launch = layer("primerl.launch")
+    takers = {
+        a
+        for a, imported in graph.items()
+        if package_of(a) != "config" and layer(a) < launch and "primerl.config.schema" in imported
+    }  # config/'s own checks across sections (validate, algorithm, serving) take the whole config by design
+    assert takers <= WHOLE_RUN, sorted(takers - WHOLE_RUN)
 
 
 def test_no_module_imports_one_that_imports_it_back():

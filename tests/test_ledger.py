@@ -471,8 +471,8 @@ def test_a_torn_samples_line_is_left_out_of_the_record_not_fatal(tmp_path, caplo
     (run_dir / "rollouts" / "samples.jsonl").write_text(json.dumps(good) + '\n{"step": 1, "tas\n')
     with atomic_dir(weights_path(run_dir, 2)) as staging:
         (staging / "config.json").write_text("{}")
-    record_artifacts(ledger, cfg, run_dir)
-    record_artifacts(ledger, cfg, run_dir)  # a resumed driver records again
+    record_artifacts(ledger, cfg.ledger, cfg.model, run_dir)
+    record_artifacts(ledger, cfg.ledger, cfg.model, run_dir)  # a resumed driver records again
     assert "line 2 is not a sample row; left out of the record" in caplog.text
     assert [a.path for a in ledger.client.list_artifacts(ledger.run_id, "samples")] == ["samples/step_000000.json"]
     models = ledger.client.search_logged_models([ledger.experiment_id], f"source_run_id = '{ledger.run_id}'")
@@ -498,8 +498,8 @@ def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scor
     ledger = Ledger.open(cfg, resolved, run_dir)
     policy = build_tiny_model(str(tmp_path / "cache"), cfg.model.arch, 0)
     append_metrics(run_dir, "eval", 3, {"primerl-reverse-text/reward_mean": 0.5, "primerl-reverse-text/tasks": 8})
-    model_id = record_policy(ledger, cfg, run_dir, policy, 3)
-    assert record_policy(ledger, cfg, run_dir, policy, 3) is None  # a resumed driver records it once
+    model_id = record_policy(ledger, cfg.ledger, cfg.model, run_dir, policy, 3)
+    assert record_policy(ledger, cfg.ledger, cfg.model, run_dir, policy, 3) is None  # a resumed driver records it once
     model = ledger.client.get_logged_model(model_id)
     assert model.name == "policy-v3" and model.source_run_id == ledger.run_id
     assert {m.key: m.value for m in model.metrics} == {
@@ -525,12 +525,12 @@ def test_the_final_policy_is_a_logged_model_that_mlflow_loads_with_its_eval_scor
     assert shown == tokenizer.decode(greedy, skip_special_tokens=True)
 
     cfg.ledger.log_model_max_mb = 0  # larger than the limit: a record of where the weights are, no copy
-    big = ledger.client.get_logged_model(record_policy(ledger, cfg, run_dir, policy, 4))
+    big = ledger.client.get_logged_model(record_policy(ledger, cfg.ledger, cfg.model, run_dir, policy, 4))
     assert big.tags["primerl.weights_dir"] == str(policy) and big.params["files_in_store"] == "False"
     assert ledger.client.list_logged_model_artifacts(big.model_id) == []
     # a driver killed while logging leaves its model PENDING: the resumed driver logs that version again
     pending = ledger.client.create_logged_model(ledger.experiment_id, "policy-v5", ledger.run_id)
-    again = record_policy(ledger, cfg, run_dir, policy, 5)
+    again = record_policy(ledger, cfg.ledger, cfg.model, run_dir, policy, 5)
     assert again not in (None, pending.model_id) and ledger.logged_model("policy-v5") == again
     ledger.finish()
 

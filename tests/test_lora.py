@@ -159,7 +159,7 @@ def test_two_vllm_replicas_serve_the_adapter_and_load_each_new_one_in_flight_as_
         f"inference.port={port}",
     ]
     cfg = check([*overrides, f"cache_dir={cache_dir}", f"output_dir={tmp_path}"])
-    base, start = prepare_base_model(cfg), prepare_start_adapter(cfg)
+    base, start = prepare_base_model(cfg.model, cfg.cache_dir), prepare_start_adapter(cfg)
     assert start == weights_path(tmp_path, 0) and is_adapter(start)
     specs = render_specs(cfg, base, "cpu", start)
     servers = [VllmServer(spec, tmp_path / f"vllm-{spec.port}.log") for spec in specs]

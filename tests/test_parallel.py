@@ -56,7 +56,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     ]
     cfg = check([*args, f"output_dir={tmp_path}"])
     lora = cfg.model.lora.enabled
-    samples = model_samples(prepare_base_model(cfg))
+    samples = model_samples(prepare_base_model(cfg.model, cfg.cache_dir))
     batch = build_batch(samples, 0, seq_len=128, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1)
     while len(batch.micro_batches) % 2 == 0:  # make the count odd
         samples = samples[:-1]
@@ -90,7 +90,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     for key in ("loss", "grad_norm", "entropy"):
         assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-5), key
     assert rows[1]["grad_norm"] > 0
-    base = load_file(f"{prepare_base_model(cfg)}/model.safetensors")
+    base = load_file(f"{prepare_base_model(cfg.model, cfg.cache_dir)}/model.safetensors")
     # AdamW's first step divides each gradient by its own magnitude (plus eps 1e-8), so an element whose gradient is
     # near eps turns the reduction order's rounding into up to ~1e-6 of its 1e-4 update: 3 of ~0.8M elements moved
     # 1.2e-6 to 2.5e-6 apart with fsdp2_cp. A wrong shard or gather moves whole tensors by ~1e-4.

@@ -82,7 +82,7 @@ def test_prefill_and_decode_through_the_router_serve_what_the_model_computes_and
     check_supported(cfg.inference, "cpu")
     with pytest.raises(ConfigError, match="inference.pd.kv_connector"):
         check_supported(check([*common, "inference.pd.enabled=true"]).inference, "cpu")  # NixlConnector: GPUs
-    model = prepare_base_model(cfg)
+    model = prepare_base_model(cfg.model, cfg.cache_dir)
     tok = AutoTokenizer.from_pretrained(model)
     prompt = tok.encode("<|im_start|>user\n" + "abcdefghij" * 12 + "<|im_end|>\n<|im_start|>assistant\n")
     decode_log = tmp_path / "logs" / f"vllm-{ports[2]}.log"

@@ -36,7 +36,8 @@ def recorded(cache_dir, tmp_path_factory):
     """A run of 3 trainer steps on stored batches, with its overrides recorded as the driver records them."""
     run = tmp_path_factory.mktemp("recorded") / "run"
     overrides = [*OVERRIDES, f"cache_dir={cache_dir}"]
-    samples = model_samples(prepare_base_model(check([*overrides, f"output_dir={run}"])), n=12)
+    cfg = check([*overrides, f"output_dir={run}"])
+    samples = model_samples(prepare_base_model(cfg.model, cfg.cache_dir), n=12)
     for step in range(3):
         batch = build_batch(samples, step, seq_len=512, micro_batch_size=8, pad_id=0, temperature=1.0, async_level=1)
         write_rollout_batch(run, batch)

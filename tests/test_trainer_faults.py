@@ -38,7 +38,8 @@ def _args(cache_dir, run, steps: int) -> list[str]:
 
 def _write_batches(cache_dir, run, advantages: list[float | None]) -> None:
     """Batch n from the model's own samples; advantage None: mixed signs, NaN: a batch whose loss is NaN."""
-    model = prepare_base_model(check(_args(cache_dir, run, len(advantages))))
+    cfg = check(_args(cache_dir, run, len(advantages)))
+    model = prepare_base_model(cfg.model, cfg.cache_dir)
     for step, advantage in enumerate(advantages):
         samples = model_samples(model, n=8, advantage=advantage)
         write_rollout_batch(

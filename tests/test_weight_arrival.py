@@ -206,7 +206,7 @@ def test_collective_updates_reach_two_replicas_of_a_moe_model_as_transformers_co
             f"inference.api_key={API_KEY}",
         ]
     )
-    model_dir = prepare_base_model(cfg)
+    model_dir = prepare_base_model(cfg.model, cfg.cache_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok.encode("<|im_start|>user\nmoe<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)

@@ -94,7 +94,8 @@ def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None)
 
     inf = dataclasses.replace(cfg.inference, replicas=1)
     cfg = dataclasses.replace(cfg, inference=inf)
-    with serving(cfg, [server_for(cfg, spec) for spec in render_specs(cfg, model_path, device, adapter)]):
+    specs = render_specs(cfg, model_path, device, adapter)
+    with serving(cfg.inference, cfg.output_dir, [server_for(cfg.output_dir, spec) for spec in specs]):
         yield f"http://{inf.host}:{inf.port}"
 
 
@@ -117,7 +118,7 @@ def evaluate(cfg: RunConfig, model_path: str) -> dict:
     if is_adapter(model_path):  # a LoRA run's policy: served over the base model it names
         adapter, (model_path, rank) = model_path, adapter_settings(model_path)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=rank)))
-    check_servable(cfg, model_path, device)
+    check_servable(cfg.model, model_path, device)
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     with served_at(cfg, model_path, device, adapter) as base_url:
         started = time.perf_counter()

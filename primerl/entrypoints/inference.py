@@ -85,7 +85,7 @@ def main(dict_cfg: DictConfig) -> None:
     device = resolve_device(cfg.inference)
     check_supported(cfg.inference, device)
     model_path = prepare_start_model(cfg)
-    check_servable(cfg, model_path, device)
+    check_servable(cfg.model, model_path, device)
     if not Path(model_path).exists() and cfg.model.source.value != "hub":
         raise ConfigError(
             "sft.enabled",
@@ -95,10 +95,10 @@ def main(dict_cfg: DictConfig) -> None:
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
     specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
     place_on_gpus(cfg, specs, on_slurm=node is not None)
-    servers = [server_for(cfg, spec, node) for spec in specs]
+    servers = [server_for(cfg.output_dir, spec, node) for spec in specs]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with serving(cfg, servers) as routers:
+        with serving(cfg.inference, cfg.output_dir, servers) as routers:
             for server in servers:
                 log.info(f"serving {model_path} at {server.base_url}")
             keep_serving(servers, cfg.inference.startup_timeout_s, follow_pairs(cfg, routers))

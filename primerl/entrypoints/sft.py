@@ -57,7 +57,7 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
             "sft.batch_size", f"{cfg.sft.batch_size} is not divisible by the world size {info.world_size}"
         )
     resolve_dp_shard(cfg, info.world_size)  # the run's layout must fit; SFT itself is plain FSDP2 over every rank
-    base = main_rank_first(info, lambda: prepare_base_model(cfg))
+    base = main_rank_first(info, lambda: prepare_base_model(cfg.model, cfg.cache_dir))
     s = cfg.sft
     optim = OptimConfig(lr=s.lr, weight_decay=s.weight_decay, betas=list(s.betas), max_grad_norm=s.max_grad_norm)
     torch.manual_seed(cfg.seed)

@@ -10,31 +10,31 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
-from primerl.config.inference import PdRole
-from primerl.config.schema import RunConfig
+from primerl.config.inference import InferenceConfig, PdRole
 from primerl.inference.pd_router import PdRouter, start_routers
 from primerl.inference.server import VllmServer, start_side_by_side, stop_side_by_side
 from primerl.inference.vllm_args import ServerSpec
 from primerl.transport.run_dir import log_path, scratch_prefix
 
 
-def server_for(cfg: RunConfig, spec: ServerSpec, node: str | None = None) -> VllmServer:
+def server_for(run_dir: str | Path, spec: ServerSpec, node: str | None = None) -> VllmServer:
     """A server of the run, logging to `<run>/logs/vllm-[<node>-]<port>.log` (on SLURM several nodes may use one
     port), its scratch dir named for the run."""
     name = f"vllm-{node}-{spec.port}" if node else f"vllm-{spec.port}"
-    return VllmServer(spec, log_path(cfg.output_dir, name), scratch_prefix(cfg.output_dir, "vllm"))
+    return VllmServer(spec, log_path(run_dir, name), scratch_prefix(run_dir, "vllm"))
 
 
 @contextlib.contextmanager
-def serving(cfg: RunConfig, servers: list[VllmServer]) -> Iterator[list[PdRouter]]:
+def serving(inf: InferenceConfig, run_dir: str | Path, servers: list[VllmServer]) -> Iterator[list[PdRouter]]:
     """Start `servers` and, with prefill/decode, their pairs' routers (yielded); stop them all at the end. A second
     SIGTERM while they stop (the driver's death after its own SIGTERM) does not cut the stop short."""
-    inf, routers = cfg.inference, []
+    routers = []
     try:
         start_side_by_side(servers, inf.startup_timeout_s)
         if inf.pd.enabled and inf.pd.role != PdRole.prefill:
-            routers = start_routers(inf, cfg.output_dir, servers[0].spec.env)
+            routers = start_routers(inf, run_dir, servers[0].spec.env)
         yield routers
     finally:
         main_thread = threading.current_thread() is threading.main_thread()

@@ -19,6 +19,7 @@ from primerl.config.inference import (
     pd_pairs,
     replica_ports,
 )
+from primerl.config.model import ModelConfig
 from primerl.config.schema import RunConfig
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
@@ -68,7 +69,7 @@ def check_supported(inf: InferenceConfig, device: str) -> None:
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def check_servable(cfg: RunConfig, model_dir: str | Path, device: str) -> None:
+def check_servable(model: ModelConfig, model_dir: str | Path, device: str) -> None:
     """Refuse, before anything starts, a model the engine would load but not run on this device."""
     config_file = Path(model_dir) / "config.json"
     if device != "cpu" or not config_file.is_file():  # an adapter directory: its base was checked
@@ -77,7 +78,7 @@ def check_servable(cfg: RunConfig, model_dir: str | Path, device: str) -> None:
     heads = config.get("num_attention_heads") or 1
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
     if head_dim not in CPU_HEAD_SIZES:
-        key = {"tiny": "model.arch.head_dim", "hub": "model.name"}.get(cfg.model.source.value, "model.path")
+        key = {"tiny": "model.arch.head_dim", "hub": "model.name"}.get(model.source.value, "model.path")
         raise ConfigError(
             key,
             f"head_dim {head_dim}: vLLM-CPU's attention runs head sizes {', '.join(map(str, CPU_HEAD_SIZES))} only "

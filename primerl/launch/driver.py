@@ -105,8 +105,8 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.launcher.name == "local":
         refuse_taken_ports(cfg)
         plan_gpus(cfg.launcher, cfg.inference, visible_gpus())
-    base = prepare_base_model(cfg)  # it may build or download the model
-    check_servable(cfg, base, resolve_device(cfg.inference))
+    base = prepare_base_model(cfg.model, cfg.cache_dir)  # it may build or download the model
+    check_servable(cfg.model, base, resolve_device(cfg.inference))
     if sft_applies(cfg):
         from primerl.sft.source import check_demonstrations
 

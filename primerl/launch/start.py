@@ -37,7 +37,7 @@ def prepare_start_model(cfg: RunConfig) -> str:
     model (the tiny model built here on first use); the base model when RL continues SFT's adapter."""
     if sft_applies(cfg) and not rl_continues_sft_adapter(cfg):
         return str(sft_checkpoint_dir(cfg))
-    return prepare_base_model(cfg)
+    return prepare_base_model(cfg.model, cfg.cache_dir)
 
 
 def prepare_start_adapter(cfg: RunConfig) -> Path | None:

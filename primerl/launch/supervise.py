@@ -133,7 +133,7 @@ def close_records(cfg: RunConfig, run_dir: Path, recorder: "FollowerThread | Non
     if recorder is not None and not recorder.close():
         log.warning("the run's record misses rows it could not take; the run's files have them all")
     if ledger is not None:
-        bookkeeping("recording the run's artifacts", lambda: record_artifacts(ledger, cfg, run_dir))
+        bookkeeping("recording the run's artifacts", lambda: record_artifacts(ledger, cfg.ledger, cfg.model, run_dir))
 
 
 def bookkeeping(what: str, action: Callable[[], object]) -> None:

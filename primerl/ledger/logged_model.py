@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from primerl.config.schema import RunConfig
+from primerl.config.ledger import LedgerConfig
+from primerl.config.model import ModelConfig
 from primerl.ledger.mlflow_ledger import Ledger
 from primerl.metrics import EVAL, read_metrics
 from primerl.utils.log import get_logger
@@ -24,7 +25,9 @@ log = get_logger(__name__)
 MB = 1 << 20
 
 
-def record_policy(ledger: Ledger, cfg: RunConfig, run_dir: Path, weights_dir: Path, version: int) -> str | None:
+def record_policy(
+    ledger: Ledger, settings: LedgerConfig, model: ModelConfig, run_dir: Path, weights_dir: Path, version: int
+) -> str | None:
     """Log `weights_dir` (policy `version` of the run in `run_dir`) as the run's logged model; its id, or None when
     this version was logged before."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
@@ -34,29 +37,29 @@ def record_policy(ledger: Ledger, cfg: RunConfig, run_dir: Path, weights_dir: Pa
         return None
     adapter = (weights_dir / "adapter_config.json").exists()
     size = sum(f.stat().st_size for f in weights_dir.iterdir() if f.is_file())
-    copied = cfg.ledger.log_model and size <= cfg.ledger.log_model_max_mb * MB
+    copied = settings.log_model and size <= settings.log_model_max_mb * MB
     tags = {"primerl.weights_dir": str(weights_dir), "primerl.policy_version": str(version)}
     tags["primerl.format"] = "peft-adapter" if adapter else "transformers"
     params = {"policy_version": str(version), "size_mb": f"{size / MB:.1f}", "files_in_store": str(copied)}
-    params["base_model"] = cfg.model.hub_id or cfg.model.path or cfg.model.source.value
-    model = client.create_logged_model(
+    params["base_model"] = model.hub_id or model.path or model.source.value
+    logged = client.create_logged_model(
         ledger.experiment_id, name, ledger.run_id, tags, params, model_type="primerl-policy"
     )
     try:
         if copied:
-            _log_files(client, model.model_id, weights_dir, adapter)
-        elif cfg.ledger.log_model:
+            _log_files(client, logged.model_id, weights_dir, adapter)
+        elif settings.log_model:
             log.info(
-                f"{name} is {size / MB:.0f} MB, over ledger.log_model_max_mb={cfg.ledger.log_model_max_mb}: "
+                f"{name} is {size / MB:.0f} MB, over ledger.log_model_max_mb={settings.log_model_max_mb}: "
                 f"logged without its files (they stay in {weights_dir})"
             )
-        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
     except BaseException:
-        client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+        client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
         raise
-    client.log_outputs(ledger.run_id, [LoggedModelOutput(model.model_id, step=version)])
-    _log_evals(ledger, run_dir, version, model.model_id)
-    return model.model_id
+    client.log_outputs(ledger.run_id, [LoggedModelOutput(logged.model_id, step=version)])
+    _log_evals(ledger, run_dir, version, logged.model_id)
+    return logged.model_id
 
 
 def _log_files(client, model_id: str, weights_dir: Path, adapter: bool) -> None:

@@ -3,7 +3,8 @@
 import json
 from pathlib import Path
 
-from primerl.config.schema import RunConfig
+from primerl.config.ledger import LedgerConfig
+from primerl.config.model import ModelConfig
 from primerl.ledger.logged_model import record_policy
 from primerl.ledger.mlflow_ledger import Ledger
 from primerl.ledger.wandb_tracker import WandbTracker
@@ -28,7 +29,7 @@ def record_sft(ledger: "Ledger | WandbTracker", metrics_file: Path) -> None:
     ledger.set_tags({"checkpoint.sft": sft.get("checkpoint", "")})
 
 
-def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
+def record_artifacts(ledger: Ledger, settings: LedgerConfig, model: ModelConfig, run_dir: Path) -> None:
     """The overrides, the reward plot, sample rollouts every `ledger.sample_every` steps, checkpoint paths."""
     ledger.log_artifact(run_dir / ".hydra" / "overrides.yaml", "config")
     if reward_plot_path(run_dir).exists():  # drawn by the run loop at the end (primerl.launch.supervise)
@@ -43,9 +44,9 @@ def record_artifacts(ledger: Ledger, cfg: RunConfig, run_dir: Path) -> None:
             except (ValueError, KeyError, TypeError):  # a line torn by a kill: the record goes on without it
                 log.warning(f"{samples_file}: line {number} is not a sample row; left out of the record")
         for step, rows in sorted(by_step.items()):
-            if step % max(1, cfg.ledger.sample_every) == 0 or step == max(by_step):
+            if step % max(1, settings.sample_every) == 0 or step == max(by_step):
                 ledger.client.log_text(ledger.run_id, json.dumps(rows, indent=1), f"samples/step_{step:06d}.json")
     latest = latest_stable_version(run_dir)
     if latest is not None:
         ledger.set_tags({"checkpoint.final": str(weights_path(run_dir, latest)), "checkpoint.final_step": str(latest)})
-        record_policy(ledger, cfg, run_dir, weights_path(run_dir, latest), latest)
+        record_policy(ledger, settings, model, run_dir, weights_path(run_dir, latest), latest)

@@ -5,26 +5,23 @@ Face cache (the driver does, in its preflight; every process it starts then find
 import os
 from pathlib import Path
 
-from primerl.config.model import ModelSource
+from primerl.config.model import ModelConfig, ModelSource
 from primerl.config.model_dir import check_model_dir
-from primerl.config.schema import RunConfig
 from primerl.model.tiny import build_tiny_model, tiny_model_dir
 from primerl.utils.errors import ConfigError
 
 
-def base_model_ref(cfg: RunConfig) -> str:
-    """Where the model the run starts from, before any SFT, is (or will be, for the tiny model)."""
-    model = cfg.model
+def base_model_ref(model: ModelConfig, cache_dir: str) -> str:
+    """Where the model the run starts from, before any SFT, is (or will be, for the tiny model, under `cache_dir`)."""
     if model.source == ModelSource.tiny:
-        return str(tiny_model_dir(cfg.cache_dir, model.arch, model.init_seed, model.dtype))
-    return prepare_base_model(cfg)
+        return str(tiny_model_dir(cache_dir, model.arch, model.init_seed, model.dtype))
+    return prepare_base_model(model, cache_dir)
 
 
-def prepare_base_model(cfg: RunConfig) -> str:
-    """The model the run starts from, before any SFT: the tiny model is built here on first use."""
-    model = cfg.model
+def prepare_base_model(model: ModelConfig, cache_dir: str) -> str:
+    """The model the run starts from, before any SFT: the tiny model is built here, under `cache_dir`, on first use."""
     if model.source == ModelSource.tiny:
-        return str(build_tiny_model(cfg.cache_dir, model.arch, model.init_seed, model.dtype))
+        return str(build_tiny_model(cache_dir, model.arch, model.init_seed, model.dtype))
     if model.source == ModelSource.path:
         directory = Path(model.path).expanduser()
         check_model_dir(directory, "model.path")

@@ -36,7 +36,7 @@ def sft_checkpoint_dir(cfg: RunConfig) -> Path:
     settings = asdict(cfg.sft) | {"save_every": None}
     data = settings.pop("data")
     settings.pop("lora")  # in the key only when SFT trains LoRA, so the keys of full SFT stay what they were
-    key_parts = [base_model_ref(cfg), settings, cfg.env.id, cfg.env.args, cfg.seed]
+    key_parts = [base_model_ref(cfg.model, cfg.cache_dir), settings, cfg.env.id, cfg.env.args, cfg.seed]
     if sft_trains_lora(cfg):
         key_parts.append({"lora": asdict(cfg.model.lora), "sft_lora": cfg.sft.lora.value})
     if data:

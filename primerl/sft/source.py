@@ -35,7 +35,7 @@ def check_lengths(cfg: RunConfig, conversations: list[Conversation], where: list
     """Each conversation, rendered by the base model's chat template, fits one packed row of `sft.seq_len` tokens."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(prepare_base_model(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(prepare_base_model(cfg.model, cfg.cache_dir))
     for conversation, name in zip(conversations, where):
         try:
             tokens = len(conversation_example(tokenizer, conversation.messages, conversation.tools).input_ids)
