@@ -9,9 +9,11 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
 - kill -9 of the trainer, the orchestrator, the inference wrapper or the driver itself, `torn_samples` (kill -9 the
   orchestrator and leave a torn line in rollouts/samples.jsonl, as a kill mid-append does), `damaged_checkpoint`
   (kill -9 the trainer and truncate its newest checkpoint or remove its largest file, as a shared filesystem may
-  deliver it) and `store_down_at_start` (kill -9 the driver, and rerun it with the tracking server down until the
-  driver says it waits for it, then start the server): the run stops and, as a user would, the same command is rerun
-  until the run completes;
+  deliver it), `store_down_at_start` (kill -9 the driver, and rerun it with the tracking server down until the
+  driver says it waits for it, then start the server) and `dies_at_first_request` (kill -9 the vLLM server while every
+  start of it dies at its first generation request, failpoint `server.dies_at_first_request`, until the inference
+  process gives up after 3 such starts; the run stops with the error quoted): the run stops and, as a user would, the
+  same command is rerun until the run completes;
 - kill -9 of the vLLM server (restarted by the inference wrapper), `nan_step` (the trainer's next loss is NaN, via
   primerl.utils.failpoints), `store_down` (the tracking server killed for 20 s), `store_locked` (its sqlite database
   locked exclusively for 20 s), `disk_full` (the tmpfs on the run's rollouts/ filled for 20 s; needs root),
@@ -32,7 +34,8 @@ Afterwards it checks and prints:
   the experiment's online evals (every 20 policy versions) logged once per version, from v0 to the last;
 - no orphans: no process of the run alive 60 s after each kill (nothing the next driver had to kill), none at the
   end, none of a refused second run;
-- each rerun without its tracking server waited for it (`ledger.connect_timeout_s`) and went on;
+- each rerun without its tracking server waited for it (`ledger.connect_timeout_s`) and went on; each server that
+  died at its first requests stopped the run with exit 1 and its error quoted;
 - no stray temporaries: no atomic-write temporaries under the run directory, no vLLM scratch dir of the run.
 Data positions are the task-stream position at each cut. With continuous dispatch a batch can be cut entirely from
 groups drawn before the previous cut, so equal neighbours are expected; a decrease would be a rewind.

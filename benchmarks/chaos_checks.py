@@ -123,6 +123,14 @@ def check_faults(soak: Soak) -> list[tuple[str, bool, str]]:
             f"{sum(f['waited_for_store'] for f in reruns)} of {len(reruns)}",
         )
     )
+    deaths = [f for f in soak.faults if f["kind"] == "dies_at_first_request"]
+    checks.append(
+        (
+            "a server dying at each first request stopped the run, its error quoted",
+            all(f["quoted"] and f["driver_exit"] == 1 for f in deaths),
+            f"{sum(f['quoted'] for f in deaths)} of {len(deaths)} quoted; exits {[f['driver_exit'] for f in deaths]}",
+        )
+    )
     seconds = [f["second"] for f in soak.faults if "second" in f]
     checks.append(
         (

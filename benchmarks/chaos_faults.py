@@ -7,6 +7,7 @@
 - `arm_nonfinite_step`: the trainer's next step on rank 0 gets a NaN loss (primerl.utils.failpoints);
 - `tear_samples_line`: what a kill mid-append leaves in `rollouts/samples.jsonl`;
 - `damage_newest_checkpoint`: the newest checkpoint truncated or missing a file, as a shared filesystem may deliver it;
+- `target_pid`: the process a kill -9 hits;
 - `second_run`: the same command into another run directory while the first runs: refused at once, with one line,
   leaving nothing behind and the first run undisturbed.
 """
@@ -174,3 +175,34 @@ def second_run(cmd: list[str], cwd: Path, work: Path, failpoints: Path) -> dict:
         "line": errors[0][-160:] if errors else text.strip().splitlines()[-1:],
         "left": run_processes(second),
     }
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def target_pid(kind: str, run: Path, driver: subprocess.Popen) -> int | None:
+    """The process a kill of `kind` hits (torn_samples: the orchestrator; damaged_checkpoint: the trainer;
+    store_down_at_start: the driver; dies_at_first_request: the vLLM server)."""
+    if kind in ("driver", "store_down_at_start"):
+        return driver.pid
+    kind = {"torn_samples": "orchestrator", "damaged_checkpoint": "trainer", "dies_at_first_request": "vllm"}.get(
+        kind, kind
+    )
+    marks = {"vllm": b"vllm.entrypoints.openai.api_server"} | {
+        k: f"-m\0primerl.entrypoints.{k}\0".encode() for k in ("trainer", "orchestrator", "inference")
+    }
+    pids = [p for p in run_processes(run) if marks[kind] in cmdline(p)]
+    return min(pids) if pids else None
+
+
+def wait_for(condition, timeout_s: float, poll_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return condition()

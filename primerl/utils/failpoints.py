@@ -10,7 +10,8 @@ silent no-op, or kills the worker once a collective transfer began: primerl.infe
 
 Lasting faults (`lasting(name)`: True for as long as the file exists; the test removes it to end the fault):
 `env.slow` (every rollout of an env waits SLOW_ENV_S first, as an env whose sandbox or judge answers slowly does:
-primerl.envs.verifiers_env.run_episode).
+primerl.envs.verifiers_env.run_episode); `server.dies_at_first_request` (a vLLM server started while it lasts exits
+at its first generation request: primerl.inference.guard).
 """
 
 import os
