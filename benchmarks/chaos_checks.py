@@ -1,6 +1,7 @@
 """The chaos soak's checks of a run after its faults (benchmarks/chaos.py): every step trained once, every batch
 consumed once, the record complete, nothing left behind."""
 
+import collections
 import json
 from pathlib import Path
 
@@ -47,7 +48,19 @@ def check_steps(run: Path, steps: int, faults: list[dict]) -> list[tuple[str, bo
     orch_steps = [r["step"] for r in read_metrics(run, ORCHESTRATOR)]
     checks.append(("batches 0..steps-1 once", orch_steps == list(range(steps)), f"{len(orch_steps)} rows"))
     olog = (run / "logs" / "orchestrator.log").read_text()
-    positions = [read_rollout_batch(rollout_path(run, s)).data_position for s in range(steps)]
+    batches = [read_rollout_batch(rollout_path(run, s)) for s in range(steps)]
+    positions = [b.data_position for b in batches]
+    counted = collections.Counter(i for b in batches for i in b.tasks_trained + b.tasks_spent)
+    twice = sorted(i for i, n in counted.items() if n > 1)
+    missing = sorted(set(range(positions[-1])) - set(counted) - set(batches[-1].tasks_pending))
+    checks.append(
+        (
+            "every drawn task trained or spent once, or pending at the end",
+            not twice and not missing,
+            f"{positions[-1]} drawn: {len(counted)} accounted, {len(batches[-1].tasks_pending)} pending; "
+            f"twice {twice[:10] or 'none'}, lost {missing[:10] or 'none'}",
+        )
+    )
     equal = sum(a == b for a, b in zip(positions, positions[1:]))
     checks.append(
         (

@@ -82,9 +82,9 @@ class RecordingWriter(BatchWriter):
         super().__init__(run_dir, seq_len=64, micro_batch_size=4, pad_id=0, temperature=1.0, async_level=1)
         self.samples = {}
 
-    def write(self, step, samples, metrics, data_position, examples):
+    def write(self, step, samples, metrics, data_position, examples, tasks=None):
         self.samples[step] = samples
-        super().write(step, samples, metrics, data_position, examples)
+        super().write(step, samples, metrics, data_position, examples, tasks)
 
 
 async def fake_trainer(orchestrator: Orchestrator, run_dir, policy: Policy, train_s: float) -> None:
@@ -100,20 +100,46 @@ async def fake_trainer(orchestrator: Orchestrator, run_dir, policy: Policy, trai
 
 
 def run_pipeline(
-    tmp_path, steps: int, runner_kwargs=None, train_s: float = 0.01, sampling_seed=None, position=0, **cfg_kwargs
+    tmp_path,
+    steps: int,
+    runner_kwargs=None,
+    train_s: float = 0.01,
+    sampling_seed=None,
+    position=0,
+    again=(),
+    start_step=0,
+    kill_after=None,
+    **cfg_kwargs,
 ):
+    """`kill_after`: stop the orchestrator as a kill would (nothing more written) at the first batch from that step on
+    that leaves tasks pending."""
     cfg = OrchestratorConfig(**{"batch_size": 8, "group_size": 4, "max_inflight": 16, **cfg_kwargs})
     policy = Policy()
     runner = FakeRunner(policy, **(runner_kwargs or {}))
     writer = RecordingWriter(tmp_path)
     tasks = (FakeTask(i) for i in range(10_000))
-    source = TaskSource(tasks, position)
-    orchestrator = Orchestrator(cfg, steps, source, runner, writer, policy, sampling_seed=sampling_seed)
+    source = TaskSource(tasks, position, again)
+    orchestrator = Orchestrator(
+        cfg, steps, source, runner, writer, policy, start_step=start_step, sampling_seed=sampling_seed
+    )
 
     async def main():
         trainer = asyncio.create_task(fake_trainer(orchestrator, tmp_path, policy, train_s))
         try:
-            await asyncio.wait_for(orchestrator.run(), 30)
+            if kill_after is None:
+                await asyncio.wait_for(orchestrator.run(), 30)
+                return
+            run = asyncio.create_task(orchestrator.run())
+            async with asyncio.timeout(30):
+                step = kill_after
+                while not (
+                    rollout_path(tmp_path, step).exists()
+                    and read_rollout_batch(rollout_path(tmp_path, step)).tasks_pending
+                ):
+                    step += rollout_path(tmp_path, step).exists()
+                    await asyncio.sleep(0.001)
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
         finally:
             trainer.cancel()
 
@@ -153,6 +179,32 @@ def test_staleness_bounds_and_exactly_once_accounting_under_updates_in_flight(tm
     assert max(r["off_policy/span_max"] for r in rows) >= 1
     positions = [read_rollout_batch(rollout_path(tmp_path, s)).data_position for s in range(steps)]
     assert positions == sorted(positions) and positions[-1] > positions[0]
+
+
+def test_a_restart_runs_the_tasks_a_stop_left_pending_first_and_every_drawn_task_counts_once(tmp_path):
+    """Each batch records the tasks it trained, those that ended untrained since the one before (here: every rollout
+    of one task in 6 fails) and those still in flight or buffered at its cut. An orchestrator stopped with groups in
+    flight and samples buffered, as a kill leaves it, and started again from its batches runs the pending tasks
+    first, with the seeds of their places in the stream; over the whole run every drawn task is trained or spent in
+    exactly one batch, or pending at the end."""
+    fails = lambda task: "env error" if task.index % 6 == 5 else None  # noqa: E731
+    kwargs = {"duration": heavy_tail(1), "fails": fails}
+    run_pipeline(tmp_path, 12, kwargs, sampling_seed=7, kill_after=3)
+    start, position, pending = RecordingWriter(tmp_path).resume_point()
+    last = read_rollout_batch(rollout_path(tmp_path, start - 1))
+    assert 4 <= start < 12 and (position, pending) == (last.data_position, last.tasks_pending) and pending
+    _, runner, _ = run_pipeline(
+        tmp_path, 12, kwargs, sampling_seed=7, position=position, again=pending, start_step=start
+    )
+    first = [index for index, _ in runner.seeds[: 4 * len(pending)]]
+    assert first == [i for i in pending for _ in range(4)]  # the pending tasks first, each a whole group
+    assert runner.seeds[:4] == [(pending[0], request_seed(7, pending[0], i)) for i in range(4)]
+    batches = [read_rollout_batch(rollout_path(tmp_path, s)) for s in range(12)]
+    counted = collections.Counter(i for b in batches for i in b.tasks_trained + b.tasks_spent)
+    assert max(counted.values()) == 1
+    assert set(counted) | set(batches[-1].tasks_pending) == set(range(batches[-1].data_position))
+    assert not set(counted) & set(batches[-1].tasks_pending)
+    assert any(b.tasks_spent for b in batches)  # the failing tasks were spent, not lost
 
 
 def test_stale_groups_are_cancelled_and_counted(tmp_path):

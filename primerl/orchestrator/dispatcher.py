@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from primerl.envs.types import Rollout, RolloutFailure, RolloutRunner
+from primerl.orchestrator.accounting import TaskBook
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.types import (
     CancelledGroup,
@@ -62,6 +63,7 @@ class _InFlight:
     task: asyncio.Task
     version: int
     rollouts: int
+    task_index: int
     cancel_reason: str = ""
 
 
@@ -82,6 +84,7 @@ class Dispatcher:
         self.group_size, self.max_inflight, self.rollout_timeout_s = group_size, max_inflight, rollout_timeout_s
         self.deliver, self.may_admit, self.sampling_seed = deliver, may_admit, sampling_seed
         self.counts = Counts()
+        self.tasks = TaskBook()  # which drawn tasks are trained, spent or pending (primerl.orchestrator.accounting)
         self.groups: dict[int, _InFlight] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -102,25 +105,29 @@ class Dispatcher:
                 and self.inflight_rollouts + self.group_size <= self.max_inflight
                 and self.may_admit(self.group_size)
             ):
-                task = self.source.next()
-                if task is None:
+                drawn = self.source.next()
+                if drawn is None:
                     log.warning("the task stream ran out after %d tasks; no more rollouts", self.source.position)
                     return
-                self._admit(task)
+                self._admit(*drawn)
             await self._wake.wait()
             self._wake.clear()
 
-    def _admit(self, task: Any) -> None:
+    def _admit(self, index: int, task: Any) -> None:
         group_id, version = next(self._ids), self.policy.version
         self.counts.dispatched += self.group_size
+        self.tasks.drawn(index)
         seeds = [None] * self.group_size
         if self.sampling_seed is not None:
-            index = self.source.position - 1  # the task just drawn
             seeds = [request_seed(self.sampling_seed, index, i) for i in range(self.group_size)]
-        run = asyncio.create_task(self._run_group(group_id, task, version, seeds), name=f"group-{group_id}")
-        self.groups[group_id] = _InFlight(run, version, self.group_size)
+        run = asyncio.create_task(self._run_group(group_id, index, task, version, seeds), name=f"group-{group_id}")
+        self.groups[group_id] = _InFlight(run, version, self.group_size, index)
 
-    async def _run_group(self, group_id: int, task: Any, version: int, seeds: list[int | None]) -> None:
+    @property
+    def inflight_tasks(self) -> set[int]:
+        return {g.task_index for g in self.groups.values()}
+
+    async def _run_group(self, group_id: int, index: int, task: Any, version: int, seeds: list[int | None]) -> None:
         try:
             per_rollout = await asyncio.gather(*(self._run_rollout(task, seed) for seed in seeds))
         except asyncio.CancelledError:
@@ -130,7 +137,7 @@ class Dispatcher:
             self._emit(CancelledGroup(group_id, version, self.group_size, reason))
             return  # the cancellation is reported, not propagated: this task is ours alone
         self.groups.pop(group_id)
-        group = FinishedGroup(group_id, str(getattr(task, "key", group_id)), version)
+        group = FinishedGroup(group_id, str(getattr(task, "key", group_id)), version, task_index=index)
         for entries, last_version, seconds in per_rollout:
             group.seconds.append(seconds)
             usable = [e for e in entries if isinstance(e, Rollout)]

@@ -21,6 +21,10 @@ when every one of them has finished.
 Online evals (`eval.every`, primerl.orchestrator.online_eval) score the served policy on held-out envs: the watcher
 awaits the eval of version v, when one is due, before it loads a newer policy.
 
+Tasks: each batch records which drawn tasks it trained, which ended untrained since the previous batch, and which
+are pending (in flight or buffered); a restarted orchestrator runs the pending ones again first
+(primerl.orchestrator.accounting).
+
 Failures are data: a failed rollout is counted; a group whose every rollout failed asks the watcher to check the
 server; `max_failed_streak` failed rollouts in a row with no success, the server up, stop the run with the logged
 reasons.
@@ -188,9 +192,12 @@ class Orchestrator:
             M.BUFFERED: float(self.sink.buffered),
         }
         stats = self.meter.row(cut, self._rollout_counts(), self.servers.load_s, now_gauges)
+        tasks = self.dispatcher.tasks.settle(cut.tasks, self.dispatcher.inflight_tasks | self.sink.buffered_tasks)
         self.step += 1  # before the write's await: the dispatcher must never weigh admissions against a stale step
         with writing(f"batch of step {cut.step}", "the trainer never sees a partial batch"):
-            await asyncio.to_thread(self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples)
+            await asyncio.to_thread(
+                self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples, tasks
+            )
         cancelled = self.dispatcher.cancel_older_than(
             self.step - self.cfg.off_policy_bound, f"too stale for step {self.step}"
         )

@@ -118,9 +118,9 @@ async def run_orchestrator(cfg: RunConfig, model_path: str) -> None:
     # warning per cancelled rollout there says nothing the cancellation count does not.
     logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     writer = batch_writer(cfg, model_path)
-    start, position = writer.resume_point()
+    start, position, pending = writer.resume_point()
     if start:
-        log.info("resuming at step %d, task %d", start, position)
+        log.info("resuming at step %d, task %d; %d pending task(s) run again first", start, position, len(pending))
     async with contextlib.AsyncExitStack() as stack:
         replicas = await connect_replicas(cfg, stack)
         pools: list[EnvWorkers] = []  # env worker pools (env.workers), each with a supervisor task
@@ -130,7 +130,7 @@ async def run_orchestrator(cfg: RunConfig, model_path: str) -> None:
         watcher = make_watcher(cfg, replicas, policy, online_eval)
         idle = IdleSampler(replicas.running_requests)
         meter = CutMeter(env_names, idle, replicas, pools)
-        source = TaskSource(tasks, position)
+        source = TaskSource(tasks, position, pending)
         sampling_seed = cfg.seed if cfg.orchestrator.seed_requests else None
         orchestrator = Orchestrator(
             cfg.orchestrator,

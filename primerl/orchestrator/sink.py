@@ -31,6 +31,7 @@ class Cut:
     rollouts: list[Rollout] = field(default_factory=list)  # whose first branch is in this batch (per-rollout stats)
     examples: list[dict] = field(default_factory=list)  # a few of them, for people
     filtered: int = 0  # rollouts of groups the filter rejected since the previous cut
+    tasks: set[int] = field(default_factory=set)  # the tasks (stream indices) whose samples are in this batch
 
 
 @dataclass
@@ -39,6 +40,7 @@ class _Buffered:
     order: tuple[int, int, int]  # (group id: dispatch order, rollout, branch): the batch's packing order
     rollout: Rollout | None = None  # set on a rollout's first branch only
     example: dict | None = None
+    task: int = -1  # the group's task index in the run's stream
 
 
 class Sink:
@@ -60,6 +62,10 @@ class Sink:
     @property
     def buffered(self) -> int:
         return len(self.buffer)
+
+    @property
+    def buffered_tasks(self) -> set[int]:
+        return {entry.task for entry in self.buffer}
 
     def add(self, group: FinishedGroup) -> None:
         """Buffer the group's samples with their advantages, unless the filter rejects the group (counted)."""
@@ -91,8 +97,11 @@ class Sink:
                     group.task_key,
                     finished.last_version,
                 )
-                order = (group.group_id, r, i)
-                self.buffer.append(_Buffered(sample, order, rollout, example) if i == 0 else _Buffered(sample, order))
+                order, task = (group.group_id, r, i), group.task_index
+                first = i == 0
+                self.buffer.append(
+                    _Buffered(sample, order, rollout if first else None, example if first else None, task)
+                )
 
     def drop_stale(self, step: int) -> int:
         oldest = step - self.max_off_policy_steps
@@ -122,6 +131,7 @@ class Sink:
         examples = self._examples(step, taken)
         rollouts = [t.rollout for t in taken if t.rollout is not None]
         cut = Cut(step, [t.sample for t in taken], self.pending_dropped, rollouts, examples, self.pending_filtered)
+        cut.tasks = {t.task for t in taken}
         self.pending_dropped = self.pending_filtered = 0
         return cut
 

@@ -35,6 +35,7 @@ class FinishedGroup:
     ok_rollouts: int = 0  # rollouts (episodes) with at least one usable trace
     failed_rollouts: int = 0  # rollouts with none
     seconds: list[float] = field(default_factory=list)  # each rollout's wall time, start to finish
+    task_index: int = -1  # the task's index in the run's task stream (primerl.orchestrator.source)
 
 
 @dataclass

@@ -50,7 +50,12 @@ class RolloutBatch:
     temperature: float
     async_level: int  # the most policy versions a sample may lag (primerl.transport.weights.versions_to_keep)
     metrics: dict[str, float] = field(default_factory=dict)
-    data_position: int = 0  # tasks the orchestrator has consumed through this batch: where a resume goes on
+    data_position: int = 0  # tasks the orchestrator has drawn through this batch: where a resume goes on
+    # task indices (primerl.orchestrator.accounting): first trained in this batch, ended untrained since the previous
+    # batch, and drawn but neither at this cut (a resume runs them again first); absent from older batches
+    tasks_trained: list[int] = field(default_factory=list)
+    tasks_spent: list[int] = field(default_factory=list)
+    tasks_pending: list[int] = field(default_factory=list)
 
 
 class CorruptBatch(RunError):
