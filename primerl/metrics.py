@@ -57,6 +57,11 @@ class TrainerMetric:
     GRAD_NORM = "grad_norm"  # global, before clipping
     LR = "lr"  # the learning rate of the step (trainer.lr_schedule)
     REFERENCE_KL = "reference_kl"  # mean over sampled tokens of k3(trainer, starting policy); with a reference only
+    # with an off-policy correction (trainer.loss.off_policy): the IS weight over sampled tokens, and the fraction of
+    # them truncated (tis) or masked (mask)
+    IS_WEIGHT_MEAN = "off_policy/is_weight_mean"
+    IS_WEIGHT_MAX = "off_policy/is_weight_max"
+    CORRECTED_FRACTION = "off_policy/corrected_fraction"
     UPDATE_SKIPPED = "update_skipped"  # 1: the loss or gradient norm was not finite and the weights stayed as they were
     MIN_POLICY_VERSION = "batch/min_policy_version"  # oldest policy that generated any of the batch's tokens
     STEP_S = "time/step_s"  # read the batch + forward + backward + optimizer

@@ -8,7 +8,7 @@ import torch
 
 from primerl.app import check
 from primerl.config.orchestrator import FilterConfig
-from primerl.config.trainer import LossConfig, LrScheduleConfig
+from primerl.config.trainer import LossConfig, LrScheduleConfig, OffPolicyConfig
 from primerl.orchestrator.advantages import group_advantages
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
@@ -97,6 +97,49 @@ def test_the_case_exercises_both_sides_of_each_clip():
     assert sum(g == 0.0 for g in ppo_grad) > sum(g == 0.0 for g in pg_grad)  # some token lost its gradient to the clip
 
 
+def is_weight(level: str, t: int) -> float:
+    """w_t: the token's ratio, its sequence's product of ratios, or their geometric mean."""
+    if level == "token":
+        return ratio(t)
+    members = [u for u in TOKENS if SEQUENCE[u] == SEQUENCE[t]]
+    log_sum = sum(math.log(ratio(u)) for u in members)
+    return math.exp(log_sum if level == "sequence" else log_sum / len(members))
+
+
+@pytest.mark.parametrize("kind", ["is_pg", "ppo_clip", "gspo", "cispo"])
+@pytest.mark.parametrize(
+    "correction,level,low,high",
+    [
+        ("tis", "token", 0.5, 2.0),  # truncates tokens 2 and 7 (ratios 3.7 and 2.7)
+        ("tis", "sequence", 0.5, 0.85),  # truncates sequence 0 (product 0.905)
+        ("mask", "token", 0.5, 2.0),  # IcePop: keeps token 6 alone
+        ("mask", "geometric", 0.94, 2.0),  # drops sequence 1 (geometric mean 0.936)
+        ("mask", "sequence", 0.85, 2.0),  # drops sequence 1 (product 0.819)
+    ],
+)
+def test_off_policy_corrections_match_the_formulas(kind, correction, level, low, high):
+    """With a correction each loss type is taken against the trainer's own policy at this pass (ratio 1, gradient
+    grad log pi_theta) and weighted by c_t: min(w_t, high) (TIS), or w_t where low <= w_t <= high and 0 elsewhere
+    (masked IS; IcePop at token level). Logged: sum and max of w_t over sampled tokens, tokens truncated or masked."""
+    off = OffPolicyConfig(correction=correction, level=level, low=low, high=high)
+    cfg = LossConfig(type=kind, off_policy=off)
+    loss, grad, parts = loss_and_grad(cfg, BatchTotals(5, 2))
+    want_loss, want_grad, affected = 0.0, [0.0] * 9, 0
+    for t in TOKENS:
+        w = is_weight(level, t)
+        c, kept = (min(w, high), True) if correction == "tis" else (w, low <= w <= high)
+        affected += (w > high) if correction == "tis" else not kept
+        a = ADVANTAGE[t]
+        want_loss += kept * c * -a * (LOGP[t - 1] if kind == "cispo" else 1.0) / 5
+        want_grad[t - 1] = kept * c * -a / 5
+    assert loss == pytest.approx(want_loss, rel=1e-6, abs=1e-12)
+    assert grad == pytest.approx(want_grad, rel=1e-6, abs=1e-12)
+    weights = [is_weight(level, t) for t in TOKENS]
+    sums = parts.sums()
+    assert sums["is_weight"] == pytest.approx(sum(weights)) and sums["is_weight_max"] == pytest.approx(max(weights))
+    assert sums["corrected"] == affected and 0 < affected < len(TOKENS)
+
+
 def test_the_reference_kl_is_k3_added_with_its_coefficient_and_logged_at_zero():
     """q_t = log pi_ref - log pi_theta; the term kl_coef * (exp(q) - q - 1) per token, weighted like the loss; its
     gradient in log pi_theta is kl_coef * (1 - exp(q)) per token."""
@@ -171,6 +214,8 @@ def test_lr_schedules():
     [
         (["trainer.loss.type=ppo"], "trainer.loss.type"),
         (["trainer.loss.reduction=mean"], "trainer.loss.reduction"),
+        (["trainer.loss.off_policy.correction=clip"], "trainer.loss.off_policy.correction"),
+        (["trainer.loss.off_policy.correction=mask", "trainer.loss.off_policy.low=1.5"], "trainer.loss.off_policy.low"),
         (["orchestrator.advantage=gae"], "orchestrator.advantage"),
         (["trainer.lr_schedule.type=linear"], "trainer.lr_schedule.type"),
         (["trainer.loss.clip_ratio_low=1.05"], "trainer.loss.clip_ratio_low"),

@@ -25,6 +25,8 @@ ALGORITHM = (
     "trainer.loss.reduction=sequence",
     "trainer.loss.clip_ratio_high=1.0004",
     "trainer.loss.kl_coef=0.1",  # a frozen, sharded reference copy of the start model
+    "trainer.loss.off_policy.correction=tis",  # a per-sequence IS weight; its max is reduced with max over ranks
+    "trainer.loss.off_policy.level=geometric",
 )
 
 
@@ -43,7 +45,7 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     all-gathered keys and values, and on top each decoder layer's activations recomputed in the backward and the
     tokens scored 7 at a time. The 1-rank run is the plain model in every case (its micro-batches of 128 tokens
     scored in one chunk: the full-vocabulary path). With fsdp2 the loss is GSPO's, reduced per sequence, with a KL
-    to the reference; with
+    to the reference and a truncated geometric-mean IS correction; with
     fsdp2_cp the default loss reduced per sequence, whose sequences straddle the CP split; and fsdp2_cp again with
     LoRA adapters, the only parameters that train and that are published."""
     args = [
@@ -85,6 +87,8 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     assert rows[1]["mismatch_kl"] < 1e-10  # the batch's logprobs are the model's own
     if algorithm == ALGORITHM:  # before the first update the policy is its reference
         assert rows[1]["reference_kl"] < 1e-12 and rows[2]["reference_kl"] < 1e-12
+        for key in ("off_policy/is_weight_mean", "off_policy/is_weight_max"):  # the model's own samples: ~1
+            assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-5) and rows[1][key] == pytest.approx(1, abs=1e-3)
     else:
         assert "reference_kl" not in rows[1]
     for key in ("loss", "grad_norm", "entropy"):

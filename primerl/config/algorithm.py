@@ -3,7 +3,14 @@ each failure one ConfigError naming the key, before any process starts."""
 
 from primerl.config.orchestrator import ADVANTAGES
 from primerl.config.schema import RunConfig
-from primerl.config.trainer import CUSTOM_LOSS_PARAMETERS, LOSS_TYPES, LR_SCHEDULES, REDUCTIONS
+from primerl.config.trainer import (
+    CUSTOM_LOSS_PARAMETERS,
+    LOSS_TYPES,
+    LR_SCHEDULES,
+    OFF_POLICY_CORRECTIONS,
+    OFF_POLICY_LEVELS,
+    REDUCTIONS,
+)
 from primerl.utils.dotted import load_function
 from primerl.utils.errors import ConfigError
 
@@ -19,6 +26,22 @@ def check_algorithm(cfg: RunConfig) -> None:
     _one_of("trainer.loss.reduction", loss.reduction, REDUCTIONS)
     _one_of("trainer.lr_schedule.type", cfg.trainer.lr_schedule.type, LR_SCHEDULES)
     _one_of("orchestrator.advantage", orch.advantage, ADVANTAGES)
+    off = loss.off_policy
+    _one_of("trainer.loss.off_policy.correction", off.correction, OFF_POLICY_CORRECTIONS)
+    _one_of("trainer.loss.off_policy.level", off.level, OFF_POLICY_LEVELS)
+    if off.correction == "mask" and not off.low < 1 < off.high:
+        raise ConfigError(
+            "trainer.loss.off_policy.low",
+            f"the kept range [{off.low}, {off.high}] (low, high) must bracket 1, or every on-policy token is masked",
+        )
+    if off.correction == "tis" and off.high < 1:
+        raise ConfigError(
+            "trainer.loss.off_policy.high", f"the cap {off.high} is below 1: on-policy tokens would shrink"
+        )
+    if off.correction != "none" and off.level != "token" and cfg.parallelism.cp > 1:
+        raise ConfigError(
+            "trainer.loss.off_policy.level", "a sequence-level weight needs whole sequences; parallelism.cp must be 1"
+        )
     if not loss.clip_ratio_low < 1 < loss.clip_ratio_high:
         raise ConfigError(
             "trainer.loss.clip_ratio_low",

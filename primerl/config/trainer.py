@@ -28,6 +28,22 @@ LOSS_TYPES = ("is_pg", "ppo_clip", "gspo", "cispo", "custom")
 REDUCTIONS = ("token", "sequence", "constant")
 CUSTOM_LOSS_PARAMETERS = ("logprobs", "inference_logprobs", "advantages", "mask")
 LR_SCHEDULES = ("constant", "warmup", "cosine")
+OFF_POLICY_CORRECTIONS = ("none", "tis", "mask")
+OFF_POLICY_LEVELS = ("token", "sequence", "geometric")
+
+
+@dataclass
+class OffPolicyConfig:
+    """A correction for tokens sampled by another policy than the trainer's (stale versions, engine numerics, MoE
+    routing): formulas in primerl/trainer/off_policy.py. `none` keeps the loss types' own ratio against the inference
+    policy; otherwise the loss type is computed against the trainer's policy at this pass and each token is weighted
+    by the IS weight w (per token, or per sequence: its product or geometric mean), truncated at `high` (`tis`), or
+    kept where low <= w <= high and masked elsewhere (`mask`; at token level with two bounds: IcePop)."""
+
+    correction: str = "none"  # none | tis | mask
+    level: str = "token"  # token | sequence | geometric
+    low: float = bounded(0.5, ge=0)  # mask: weights below are masked (0: none are)
+    high: float = bounded(2.0, gt=0)  # tis: the cap; mask: weights above are masked
 
 
 @dataclass
@@ -49,6 +65,7 @@ class LossConfig:
     log_reference_kl: bool = False  # keep the reference and log reference_kl even when kl_coef is 0
     mask_ratio_low: float = bounded(0.125, ge=0, le=1)
     mask_ratio_high: float = bounded(8.0, ge=1)
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
     @property
     def needs_reference(self) -> bool:

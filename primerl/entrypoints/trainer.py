@@ -108,6 +108,10 @@ def train_on_batch(
     }
     if "reference_kl" in result.sums:  # the trainer has a reference policy
         row[TrainerMetric.REFERENCE_KL] = result.sums["reference_kl"] / tokens
+    if "is_weight" in result.sums:  # an off-policy correction
+        row[TrainerMetric.IS_WEIGHT_MEAN] = result.sums["is_weight"] / tokens
+        row[TrainerMetric.IS_WEIGHT_MAX] = result.sums["is_weight_max"]
+        row[TrainerMetric.CORRECTED_FRACTION] = result.sums["corrected"] / tokens
     return row
 
 

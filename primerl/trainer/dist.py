@@ -97,12 +97,22 @@ def shard_model(
     return experts
 
 
+MAX_SUFFIX = "_max"  # a sum whose key ends so is a maximum: reduced with max, over micro-batches and ranks
+
+
 def all_reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Collective: each value summed over ranks, in one all-reduce (every rank passes the same keys)."""
-    keys = sorted(values)
-    summed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(summed)
-    return dict(zip(keys, summed.tolist()))
+    """Collective: each value summed over ranks, in one all-reduce (every rank passes the same keys); a value whose
+    key ends in MAX_SUFFIX is the maximum over ranks instead (one more all-reduce when there are any)."""
+    reduced = {}
+    for keys, op in (
+        (sorted(k for k in values if not k.endswith(MAX_SUFFIX)), dist.ReduceOp.SUM),
+        (sorted(k for k in values if k.endswith(MAX_SUFFIX)), dist.ReduceOp.MAX),
+    ):
+        if keys:
+            tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+            dist.all_reduce(tensor, op=op)
+            reduced |= dict(zip(keys, tensor.tolist()))
+    return reduced
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:

@@ -11,8 +11,10 @@ plus, with a reference policy pi_ref (the run's starting policy: `trainer.loss.k
 
     kl_coef * sum_t w_t * m_t * (exp(q_t) - q_t - 1),   q_t = log pi_ref(y_t) - log pi_theta(y_t)
 
-(the k3 estimator of KL(pi_theta || pi_ref), >= 0, logged as reference_kl per sampled token), and the weights w_t
-are `trainer.loss.reduction`:
+(the k3 estimator of KL(pi_theta || pi_ref), >= 0, logged as reference_kl per sampled token). With an off-policy
+correction (`trainer.loss.off_policy`, primerl.trainer.off_policy) each term is computed against the trainer's own
+policy at this pass and multiplied by the token's corrected IS weight c_t, and m_t also drops the tokens the
+correction masks. The weights w_t are `trainer.loss.reduction`:
 
     token     w_t = 1 / N                       N = sampled tokens of the global batch (primerl's default)
     sequence  w_t = 1 / (S * |y_i|)             S = sequences of the global batch, |y_i| = sampled tokens of i
@@ -33,6 +35,7 @@ import torch
 from primerl.config.trainer import REDUCTIONS, LossConfig
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss_terms import per_sequence, segments, token_terms
+from primerl.trainer.off_policy import correct
 from primerl.utils.errors import ConfigError
 
 
@@ -44,6 +47,7 @@ class LossParts:
     entropy_sum: float
     tokens: int
     reference_kl_sum: float | None = None  # with a reference policy: sum over sampled tokens of k3(pi_theta, pi_ref)
+    off_policy: dict[str, float] | None = None  # with a correction (primerl.trainer.off_policy): its sums
 
     def sums(self) -> dict[str, float]:
         """What the trainer adds up over micro-batches and ranks."""
@@ -55,7 +59,7 @@ class LossParts:
         }
         if self.reference_kl_sum is not None:
             sums["reference_kl"] = self.reference_kl_sum
-        return sums
+        return sums | (self.off_policy or {})
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,17 @@ def policy_loss(
     ratio = torch.exp(log_ratio.detach())
     in_region = (ratio >= cfg.mask_ratio_low) & (ratio <= cfg.mask_ratio_high)
     keep = mask & in_region
-    segment = segments(micro["position_ids"])[:, 1:] if cfg.type == "gspo" else None
+    off = cfg.off_policy
+    whole_sequences = cfg.type == "gspo" or (off.correction != "none" and off.level != "token")
+    segment = segments(micro["position_ids"])[:, 1:] if whole_sequences else None
     clip = (cfg.clip_ratio_low, cfg.clip_ratio_high)
-    terms = token_terms(cfg.type, logp, inference, micro["advantages"][:, 1:], mask, segment, clip, cfg.custom)
+    behaviour, correction = inference, None
+    if off.correction != "none":  # the loss type against the trainer's own policy; the IS weight enters through c_t
+        correction = correct(off, log_ratio, mask, segment)
+        behaviour, keep = logp.detach(), keep & correction.keep
+    terms = token_terms(cfg.type, logp, behaviour, micro["advantages"][:, 1:], mask, segment, clip, cfg.custom)
+    if correction is not None:
+        terms = terms * correction.weights
     weights = reduction_weights(cfg.reduction, micro, totals)
     loss = (torch.where(keep, terms, 0.0) * weights).sum()
     reference_kl = None
@@ -121,4 +133,5 @@ def policy_loss(
         lr64 = log_ratio.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
         kl = (torch.exp(lr64) - 1 - lr64).sum().item()
         entropy = scores.entropy[:, :-1][mask].sum().item()
-    return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()), reference_kl)
+    off_policy = correction.sums if correction is not None else None
+    return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()), reference_kl, off_policy)

@@ -30,7 +30,7 @@ from primerl.config.trainer import OptimConfig, TrainerConfig
 from primerl.model.adapter import is_adapter_param, merge_adapters, save_adapter
 from primerl.trainer.checkpoint import load_checkpoint
 from primerl.trainer.context_parallel import ContextParallel
-from primerl.trainer.dist import DistInfo, all_reduce_sums
+from primerl.trainer.dist import MAX_SUFFIX, DistInfo, all_reduce_sums
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
 from primerl.trainer.model_load import AdapterSpec, sharded_model
@@ -163,7 +163,7 @@ class Trainer:
             (loss * self.info.world_size).backward()
             backward_s += time.perf_counter() - backward_at
             for key, value in {"loss": loss.item(), **parts}.items():
-                sums[key] = sums.get(key, 0.0) + value
+                sums[key] = max(sums.get(key, value), value) if key.endswith(MAX_SUFFIX) else sums.get(key, 0.0) + value
         optimizer_at = time.perf_counter()
         scale_expert_grads(self.expert_params, self.info.world_size)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
