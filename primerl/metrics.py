@@ -53,6 +53,8 @@ class TrainerMetric:
     LOSS = "loss"  # the batch's policy loss (primerl.trainer.loss), summed over ranks
     MISMATCH_KL = "mismatch_kl"  # mean over sampled tokens of the k3 estimate of KL(inference policy || trainer's)
     MASKED_FRACTION = "masked_fraction"  # sampled tokens outside the trust region (no loss)
+    # ppo_clip, gspo, cispo: sampled tokens whose ratio is outside the clip range, over every update of the batch
+    CLIPPED_FRACTION = "clipped_fraction"
     ENTROPY = "entropy"  # of the trainer's policy, mean over sampled positions
     GRAD_NORM = "grad_norm"  # global, before clipping
     LR = "lr"  # the learning rate of the step (trainer.lr_schedule)

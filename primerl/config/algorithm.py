@@ -38,6 +38,13 @@ def check_algorithm(cfg: RunConfig) -> None:
         raise ConfigError(
             "trainer.loss.off_policy.high", f"the cap {off.high} is below 1: on-policy tokens would shrink"
         )
+    updates = cfg.trainer.mini_batches * cfg.trainer.epochs
+    if off.correction != "none" and updates > 1 and cfg.parallelism.cp > 1:
+        raise ConfigError(
+            "trainer.mini_batches",
+            "several updates per batch with an off-policy correction keep each token's first-pass log-prob, which "
+            "context parallel splits; parallelism.cp must be 1",
+        )
     if off.correction != "none" and off.level != "token" and cfg.parallelism.cp > 1:
         raise ConfigError(
             "trainer.loss.off_policy.level", "a sequence-level weight needs whole sequences; parallelism.cp must be 1"

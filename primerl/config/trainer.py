@@ -88,6 +88,10 @@ class TrainerConfig:
     seq_len: int = bounded(512, ge=2)
     micro_batch_size: int = bounded(8, ge=1)  # packed rows per forward/backward pass
     max_steps: int = bounded(20, ge=1)
+    # optimizer steps per batch (primerl/trainer/updates.py): the batch split into `mini_batches` parts, one step
+    # each, for `epochs` passes; 1 and 1: one step on the whole batch
+    mini_batches: int = bounded(1, ge=1)
+    epochs: int = bounded(1, ge=1)
     # stop (checkpointed) before this step; the learning-rate schedule still spans max_steps (primerl.replay)
     stop_at: int | None = bounded(None, ge=1)
     checkpoint_every: int = bounded(1, ge=1)  # steps between model+optimizer checkpoints (resume point after a crash)

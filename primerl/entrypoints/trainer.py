@@ -29,11 +29,12 @@ from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
 from primerl.trainer.checkpoint import Checkpointer, make_checkpointer, restore_sound
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
-from primerl.trainer.loss import BatchTotals, policy_loss, with_sequence_tokens
+from primerl.trainer.loss import PROXIMAL, BatchTotals, policy_loss, with_sequence_tokens
 from primerl.trainer.lr_schedule import scheduled_lr
 from primerl.trainer.model_load import AdapterSpec
 from primerl.trainer.publish import Publisher
 from primerl.trainer.trainer import MicroBatch, Trainer
+from primerl.trainer.updates import part_totals, rank_micro_batches, split_parts, update_metrics
 from primerl.transport.batches import RolloutBatch, read_rollout_batch
 from primerl.transport.fingerprint import as_metric
 from primerl.transport.run_dir import checkpoint_path, rollout_path
@@ -50,15 +51,6 @@ def wait_for_batch(run_dir: Path, step: int) -> tuple[Path, float]:
     path, started = rollout_path(run_dir, step), time.perf_counter()
     wait_until(path.exists, f"batch {step} ({path})", note_every_s=60)
     return path, time.perf_counter() - started
-
-
-def rank_micro_batches(micro: list[MicroBatch], dp_rank: int, dp: int) -> list[MicroBatch]:
-    """This data-parallel rank's share, padded with loss-free copies so every rank runs ceil(len/dp) passes."""
-    per_rank = -(-len(micro) // dp)
-    mine = micro[dp_rank::dp]
-    while len(mine) < per_rank:
-        mine.append({**micro[0], "loss_mask": torch.zeros_like(micro[0]["loss_mask"])})
-    return mine
 
 
 def resume(trainer: Trainer, publisher: Publisher, run_dir: Path) -> tuple[int, set[int]]:
@@ -81,38 +73,31 @@ def resume(trainer: Trainer, publisher: Publisher, run_dir: Path) -> tuple[int, 
 def train_on_batch(
     trainer: Trainer, cfg: TrainerConfig, batch: RolloutBatch, dp_rank: int, dp: int, constant_tokens: int
 ) -> dict[str, float]:
-    """Collective: one RL step on `batch`. Returns the step's metrics row, less the timings around it.
-    `constant_tokens`: the constant reduction's L (trainer.loss.constant_tokens, else orchestrator.max_tokens)."""
-    totals = BatchTotals(batch.num_loss_tokens, batch.num_samples, constant_tokens)
-
-    def loss_fn(scores: TokenScores, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        parts = policy_loss(scores, micro, totals, cfg.loss)
-        return parts.loss, parts.sums()
-
-    micro_batches = [with_sequence_tokens(mb) for mb in rank_micro_batches(batch.micro_batches, dp_rank, dp)]
+    """Collective: the RL updates on `batch`, `trainer.mini_batches` x `trainer.epochs` optimizer steps
+    (primerl.trainer.updates). Returns the step's metrics row, less the timings around it: the loss and gradient
+    norm averaged over the updates; the mismatch KL, masked fraction, entropy and off-policy weights of the first
+    pass. `constant_tokens`: the constant reduction's L (trainer.loss.constant_tokens, else orchestrator.max_tokens)."""
+    micro = [with_sequence_tokens(mb) for mb in batch.micro_batches]
+    parts = split_parts(micro, cfg.mini_batches)
+    totals = [BatchTotals(batch.num_loss_tokens, batch.num_samples, constant_tokens)] if len(parts) == 1 else None
+    totals = totals or [part_totals(part, constant_tokens) for part in parts]
+    mine = [rank_micro_batches(part, dp_rank, dp) for part in parts]
+    if len(parts) * cfg.epochs > 1:  # the policy before the first update scores every micro-batch once
+        mine = [[{**mb, PROXIMAL: trainer.score(mb, batch.temperature)} for mb in part] for part in mine]
     trainer.set_lr(scheduled_lr(cfg.lr_schedule, batch.step, cfg.optim.lr, cfg.max_steps))
-    result = trainer.step(batch.step, micro_batches, loss_fn, batch.temperature)
-    tokens = max(result.sums["tokens"], 1.0)
-    row = {
-        TrainerMetric.LOSS: result.sums["loss"],
-        TrainerMetric.MISMATCH_KL: result.sums["mismatch_kl"] / tokens,
-        TrainerMetric.MASKED_FRACTION: result.sums["masked"] / tokens,
-        TrainerMetric.ENTROPY: result.sums["entropy"] / tokens,
-        TrainerMetric.GRAD_NORM: result.grad_norm,
-        TrainerMetric.FORWARD_S: result.forward_s,
-        TrainerMetric.BACKWARD_S: result.backward_s,
-        TrainerMetric.OPTIMIZER_S: result.optimizer_s,
+    results = []
+    for _ in range(cfg.epochs):
+        for part, part_total in zip(mine, totals, strict=True):
+
+            def loss_fn(scores: TokenScores, mb: MicroBatch, part_total=part_total):
+                parts_ = policy_loss(scores, mb, part_total, cfg.loss)
+                return parts_.loss, parts_.sums()
+
+            results.append(trainer.step(batch.step, part, loss_fn, batch.temperature))
+    return update_metrics(results[: len(parts)], results) | {
         TrainerMetric.MIN_POLICY_VERSION: float(batch.min_policy_version),
-        TrainerMetric.UPDATE_SKIPPED: float(not result.applied),
         TrainerMetric.LR: trainer.optimizer.param_groups[0]["lr"],
     }
-    if "reference_kl" in result.sums:  # the trainer has a reference policy
-        row[TrainerMetric.REFERENCE_KL] = result.sums["reference_kl"] / tokens
-    if "is_weight" in result.sums:  # an off-policy correction
-        row[TrainerMetric.IS_WEIGHT_MEAN] = result.sums["is_weight"] / tokens
-        row[TrainerMetric.IS_WEIGHT_MAX] = result.sums["is_weight_max"]
-        row[TrainerMetric.CORRECTED_FRACTION] = result.sums["corrected"] / tokens
-    return row
 
 
 def last_step(cfg: TrainerConfig) -> int:

@@ -28,6 +28,8 @@ KEPT = (
     "sft.",
     "trainer.seq_len",
     "trainer.micro_batch_size",
+    "trainer.mini_batches",
+    "trainer.epochs",
     "trainer.optim.",
     "trainer.loss.",
     "orchestrator.batch_size",

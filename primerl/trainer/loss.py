@@ -35,8 +35,11 @@ import torch
 from primerl.config.trainer import REDUCTIONS, LossConfig
 from primerl.trainer.logprobs import TokenScores
 from primerl.trainer.loss_terms import per_sequence, segments, token_terms
-from primerl.trainer.off_policy import correct
+from primerl.trainer.off_policy import correct, importance_weights
 from primerl.utils.errors import ConfigError
+
+CLIPPED_TYPES = ("ppo_clip", "gspo", "cispo")
+PROXIMAL = "proximal_logprobs"  # a micro-batch's log-probs under the policy before the batch's first update, [B, T]
 
 
 @dataclass
@@ -46,6 +49,9 @@ class LossParts:
     masked_tokens: int
     entropy_sum: float
     tokens: int
+    clipped_tokens: int = (
+        0  # ppo_clip, gspo, cispo: sampled tokens whose ratio (gspo: its sequence's) is outside the clip
+    )
     reference_kl_sum: float | None = None  # with a reference policy: sum over sampled tokens of k3(pi_theta, pi_ref)
     off_policy: dict[str, float] | None = None  # with a correction (primerl.trainer.off_policy): its sums
 
@@ -56,6 +62,7 @@ class LossParts:
             "masked": self.masked_tokens,
             "entropy": self.entropy_sum,
             "tokens": self.tokens,
+            "clipped": self.clipped_tokens,
         }
         if self.reference_kl_sum is not None:
             sums["reference_kl"] = self.reference_kl_sum
@@ -116,11 +123,18 @@ def policy_loss(
     clip = (cfg.clip_ratio_low, cfg.clip_ratio_high)
     behaviour, correction = inference, None
     if off.correction != "none":  # the loss type against the trainer's own policy; the IS weight enters through c_t
-        correction = correct(off, log_ratio, mask, segment)
-        behaviour, keep = logp.detach(), keep & correction.keep
+        # the proximal policy: the trainer's before this batch's first update (primerl.trainer.updates), else now
+        behaviour = micro[PROXIMAL][:, :-1] if PROXIMAL in micro else logp.detach()
+        correction = correct(off, behaviour - inference, mask, segment)
+        keep = keep & correction.keep
     terms = token_terms(cfg.type, logp, behaviour, micro["advantages"][:, 1:], mask, segment, clip, cfg.custom)
     if correction is not None:
         terms = terms * correction.weights
+    clipped = 0
+    if cfg.type in CLIPPED_TYPES:
+        level = "geometric" if cfg.type == "gspo" else "token"
+        clip_ratio = importance_weights(level, (logp.detach() - behaviour).double(), mask, segment)
+        clipped = int((((clip_ratio < clip[0]) | (clip_ratio > clip[1])) & mask).sum())
     weights = reduction_weights(cfg.reduction, micro, totals)
     loss = (torch.where(keep, terms, 0.0) * weights).sum()
     reference_kl = None
@@ -129,9 +143,11 @@ def policy_loss(
         kl_terms = torch.exp(to_reference) - to_reference - 1  # k3: >= 0, unbiased for KL(pi_theta || pi_ref)
         loss = loss + cfg.kl_coef * (torch.where(keep, kl_terms, 0.0) * weights).sum()
         reference_kl = kl_terms.detach()[mask].double().sum().item()
-    with torch.no_grad():
-        lr64 = log_ratio.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
+    with torch.no_grad():  # the mismatch of the policy before this batch's updates (all one with a single update)
+        proximal = micro[PROXIMAL][:, :-1] - inference if PROXIMAL in micro else log_ratio
+        lr64 = proximal.double()[mask]  # fp32 underflows: inference and trainer agree to ~1e-6 on CPU
         kl = (torch.exp(lr64) - 1 - lr64).sum().item()
         entropy = scores.entropy[:, :-1][mask].sum().item()
     off_policy = correction.sums if correction is not None else None
-    return LossParts(loss, kl, int((mask & ~in_region).sum()), entropy, int(mask.sum()), reference_kl, off_policy)
+    masked = int((mask & ~in_region).sum())
+    return LossParts(loss, kl, masked, entropy, int(mask.sum()), clipped, reference_kl, off_policy)

@@ -126,6 +126,13 @@ class Trainer:
                 scores.reference = TokenScores.unpack(self._forward(self.reference, micro, temperature)[0]).logprobs
         return scores, loss_micro
 
+    @torch.no_grad()
+    def score(self, micro: MicroBatch, temperature: float) -> torch.Tensor:
+        """The micro-batch's token log-probs under the policy now, without gradient ([B, T]; context parallel:
+        this rank's slice)."""
+        packed, _ = self._forward(self.model, {k: v.to(self.info.device) for k, v in micro.items()}, temperature)
+        return TokenScores.unpack(packed).logprobs.detach()
+
     def _forward(
         self, model: torch.nn.Module, micro: MicroBatch, temperature: float
     ) -> tuple[torch.Tensor, MicroBatch]:
