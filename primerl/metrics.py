@@ -28,6 +28,7 @@ class OrchestratorMetric:
     VERSION_SPAN_MAX = "off_policy/span_max"  # most policy versions one sample's rollout spanned (last - first)
     POLICY_VERSION = "policy_version"  # served when the batch was cut
     INFLIGHT = "inflight/rollouts"  # in flight when the batch was cut
+    INFLIGHT_LIMIT = "inflight/limit"  # admission=kv_pressure: the sum of the replicas' limits at the cut
     BUFFERED = "queue/buffered_samples"  # left over for the next batches after the cut
     INFERENCE_IDLE = "inference/idle_fraction"  # of the replicas' time since the previous cut, none running (sampled)
     REPLICAS_UP = "inference/replicas_up"  # inference replicas taking rollouts when the batch was cut

@@ -265,8 +265,8 @@ def test_failures_are_counted_and_a_hopeless_env_stops_the_run(tmp_path):
 
 def test_timeouts_are_failures(tmp_path):
     """Task 0's group hangs; with a loose staleness bound it is not cancelled as stale first, so it times out."""
-    slow = lambda task: 5.0 if task.index == 0 else 0.01  # noqa: E731
-    orch, runner, writer = run_pipeline(tmp_path, 10, {"duration": slow}, rollout_timeout_s=0.03, async_level=10)
+    slow = lambda task: 5.0 if task.index == 0 else 0.001  # noqa: E731
+    orch, runner, writer = run_pipeline(tmp_path, 10, {"duration": slow}, rollout_timeout_s=0.3, async_level=10)
     assert orch.dispatcher.counts.failed == 4  # task 0's group of 4
     assert sum(r["rollouts/failed"] for r in read_metrics(tmp_path, ORCHESTRATOR)) == 4
 

@@ -1,7 +1,7 @@
 """Checks of the RL algorithm's settings (trainer.loss, trainer.lr_schedule, orchestrator.advantage and .filter),
 each failure one ConfigError naming the key, before any process starts."""
 
-from primerl.config.orchestrator import ADVANTAGES
+from primerl.config.orchestrator import ADMISSIONS, ADVANTAGES
 from primerl.config.schema import RunConfig
 from primerl.config.trainer import (
     CUSTOM_LOSS_PARAMETERS,
@@ -26,6 +26,7 @@ def check_algorithm(cfg: RunConfig) -> None:
     _one_of("trainer.loss.reduction", loss.reduction, REDUCTIONS)
     _one_of("trainer.lr_schedule.type", cfg.trainer.lr_schedule.type, LR_SCHEDULES)
     _one_of("orchestrator.advantage", orch.advantage, ADVANTAGES)
+    _one_of("orchestrator.admission", orch.admission, ADMISSIONS)
     off = loss.off_policy
     _one_of("trainer.loss.off_policy.correction", off.correction, OFF_POLICY_CORRECTIONS)
     _one_of("trainer.loss.off_policy.level", off.level, OFF_POLICY_LEVELS)

@@ -6,6 +6,7 @@ from typing import Any
 from primerl.utils.bounds import bounded
 
 ADVANTAGES = ("mean", "grpo", "rloo")  # primerl/orchestrator/advantages.py
+ADMISSIONS = ("fixed", "kv_pressure")  # primerl/orchestrator/admission.py
 
 
 @dataclass
@@ -39,8 +40,10 @@ class OrchestratorConfig:
     # A sample whose oldest policy version lags the step it would train by more than this is never trained: dropped at
     # the batch cut, or its group cancelled in flight. None: async_level (what async_level alone allows).
     max_off_policy_steps: int | None = bounded(None, ge=0)
-    # rollouts in flight at once, across step boundaries
+    # rollouts in flight at once, across step boundaries: with admission=fixed the number, with kv_pressure the most
+    # that each replica's limit, set from its KV cache usage, waiting requests and preemptions, may add up to
     max_inflight: int = bounded(128, ge=1)
+    admission: str = "fixed"  # fixed | kv_pressure (primerl/orchestrator/admission.py)
     # true: lock-step: start one batch of groups, wait for every rollout, cut, repeat.
     drain_per_step: bool = False
     max_tokens: int = bounded(64, ge=1)

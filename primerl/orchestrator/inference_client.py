@@ -39,7 +39,20 @@ from primerl.utils.wait import wait_until_async
 
 log = get_logger(__name__)
 
-_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+_GAUGES = {  # vLLM's /metrics lines: `vllm:<name>{labels} <value>`, one per engine
+    name: re.compile(rf"^vllm:{name}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.M)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total")
+}
+
+
+@dataclass
+class EngineLoad:
+    """What a vLLM server's /metrics says of its load (summed over its engines)."""
+
+    running: float
+    waiting: float
+    kv_usage: float  # 0..1
+    preemptions: float  # cumulative since the server started
 
 
 @dataclass
@@ -176,9 +189,24 @@ class InferenceClient:
 
     async def running_requests(self) -> float | None:
         """vLLM's `num_requests_running` gauge (None when unreadable)."""
+        load = await self.engine_load()
+        return load.running if load is not None else None
+
+    async def engine_load(self) -> EngineLoad | None:
+        """Running and waiting requests, KV cache usage and preemptions from vLLM's /metrics (None when unreadable;
+        a metric the server does not export reads 0)."""
         try:
             r = await self.http.get("/metrics", timeout=5.0)
         except httpx.HTTPError:
             return None
-        values = [float(v) for v in _RUNNING.findall(r.text)] if r.status_code == 200 else []
-        return sum(values) if values else None
+        if r.status_code != 200:
+            return None
+        values = {name: [float(v) for v in pattern.findall(r.text)] for name, pattern in _GAUGES.items()}
+        if not values["num_requests_running"]:
+            return None
+        return EngineLoad(
+            running=sum(values["num_requests_running"]),
+            waiting=sum(values["num_requests_waiting"]),
+            kv_usage=max(values["kv_cache_usage_perc"], default=0.0),
+            preemptions=sum(values["num_preemptions_total"]),
+        )

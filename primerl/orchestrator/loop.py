@@ -37,6 +37,7 @@ import time
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.envs.types import RolloutRunner
 from primerl.metrics import OrchestratorMetric as M
+from primerl.orchestrator.admission import KvAdmission
 from primerl.orchestrator.dispatcher import Dispatcher
 from primerl.orchestrator.sink import Cut, Sink
 from primerl.orchestrator.source import TaskSource
@@ -65,10 +66,12 @@ class Orchestrator:
         servers: Servers | None = None,
         meter: CutMeter | None = None,
         sampling_seed: int | None = None,
+        admission: KvAdmission | None = None,
     ):
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
         self.servers = servers or AlwaysServing()
+        self.admission = admission  # None: orchestrator.max_inflight alone bounds what is in flight
         self.meter = meter or CutMeter()
         self.sink = Sink(cfg.batch_size, cfg.off_policy_bound, advantage=cfg.advantage, group_filter=cfg.filter)
         self.dispatcher = Dispatcher(
@@ -103,6 +106,8 @@ class Orchestrator:
         cfg = self.cfg
         cuttable = min(self.policy.version + cfg.async_level + 1, self.max_steps) - self.step
         if cuttable <= 0:
+            return False
+        if self.admission is not None and not self.admission.allows(self.dispatcher.inflight_rollouts + n):
             return False
         committed = self.dispatcher.inflight_rollouts + self.sink.buffered
         if cfg.drain_per_step:
@@ -191,6 +196,8 @@ class Orchestrator:
             M.INFLIGHT: float(self.dispatcher.inflight_rollouts),
             M.BUFFERED: float(self.sink.buffered),
         }
+        if self.admission is not None:
+            now_gauges[M.INFLIGHT_LIMIT] = float(self.admission.limits.total(self.admission.replicas.up))
         stats = self.meter.row(cut, self._rollout_counts(), self.servers.load_s, now_gauges)
         tasks = self.dispatcher.tasks.settle(cut.tasks, self.dispatcher.inflight_tasks | self.sink.buffered_tasks)
         self.step += 1  # before the write's await: the dispatcher must never weigh admissions against a stale step

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.config.schema import RunConfig
+from primerl.orchestrator.admission import KvAdmission
 from primerl.orchestrator.gauges import IdleSampler
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.runners import online_evals, training_envs
@@ -132,6 +133,9 @@ async def run_orchestrator(cfg: RunConfig, model_path: str) -> None:
         meter = CutMeter(env_names, idle, replicas, pools)
         source = TaskSource(tasks, position, pending)
         sampling_seed = cfg.seed if cfg.orchestrator.seed_requests else None
+        admission = None
+        if cfg.orchestrator.admission == "kv_pressure":
+            admission = KvAdmission(replicas, cfg.orchestrator.max_inflight, cfg.orchestrator.group_size)
         orchestrator = Orchestrator(
             cfg.orchestrator,
             cfg.trainer.max_steps,
@@ -143,6 +147,7 @@ async def run_orchestrator(cfg: RunConfig, model_path: str) -> None:
             servers=watcher,
             meter=meter,
             sampling_seed=sampling_seed,
+            admission=admission,
         )
         await _run_with_helpers(orchestrator, watcher, idle, pools, online_eval)
 
@@ -163,6 +168,9 @@ async def _run_with_helpers(
     gc.freeze()
     await watcher.update()  # a restarted orchestrator: the server may serve an older policy than published
     helpers = [asyncio.create_task(watcher.run(), name="watcher"), asyncio.create_task(idle.run(), name="idle")]
+    if orchestrator.admission is not None:
+        orchestrator.admission.on_change = orchestrator.notify
+        helpers.append(asyncio.create_task(orchestrator.admission.run(), name="admission"))
     helpers += [pool.supervisor for pool in pools]  # a pool whose workers cannot start ends the run
     final_eval = (lambda: online_eval.finish(orchestrator.policy)) if online_eval else None
     await run_until_done(asyncio.create_task(orchestrator.run(), name="orchestrator"), helpers, final_eval)
