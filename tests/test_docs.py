@@ -17,7 +17,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"```(?:bash|sh)?\n(.*?)```", re.S)
 # a command is a config check when it starts one of the Hydra entry points
 HYDRA_COMMANDS = re.compile(
-    r"^(?:primerl (train|sft|eval|inference|orchestrator|trainer)|python -m primerl\.(train|sft|eval|inference|orchestrator|trainer)|torchrun .*?-m primerl\.(train|sft|eval|trainer))\b"
+    r"^(?:primerl (train|sft|eval|inference|orchestrator|trainer)|python -m primerl\.(train|sft|eval|inference|orchestrator|trainer)|torchrun .*?-m primerl\.entrypoints\.(sft|eval|trainer))\b"
 )
 
 
