@@ -130,11 +130,13 @@ def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
     check_demonstrations(cfg)
     info = init_distributed(cfg.parallelism.backend)
+    failed = True  # until every rank is through: then the teardown waits for all of them (close_distributed)
     try:
         out_dir = sft_checkpoint_dir(cfg)
         if is_stable(out_dir):
             if info.is_main:
                 log.info(f"reusing warm-start checkpoint {out_dir}")
+            failed = False
             return
         started = time.perf_counter()
         losses = train_sft(cfg, info, out_dir)
@@ -155,8 +157,9 @@ def main(dict_cfg: DictConfig) -> None:
             )
             log.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {wall_s:.0f}s; checkpoint {out_dir}")
             log.info(f"to score it on held-out tasks: primerl eval <these overrides> eval.model={out_dir}")
+        failed = False
     finally:
-        close_distributed()
+        close_distributed(synchronize=not failed)
 
 
 if __name__ == "__main__":

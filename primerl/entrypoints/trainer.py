@@ -189,8 +189,10 @@ def main(dict_cfg: DictConfig) -> None:
     info = init_distributed(cfg.parallelism.backend)
     try:
         train(cfg, info)
-    finally:
-        close_distributed()
+    except BaseException:
+        close_distributed(synchronize=False)
+        raise
+    close_distributed()
 
 
 if __name__ == "__main__":

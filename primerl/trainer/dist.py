@@ -119,6 +119,12 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return all_reduce_sums({"value": value}, device)["value"]
 
 
-def close_distributed() -> None:
+def close_distributed(synchronize: bool = True) -> None:
+    """Tear the process groups down. After work that ended well on every rank, first wait for every rank
+    (`synchronize`): a rank that destroys its groups while another still works with them can abort in gloo's threads
+    ("terminate called without an active exception", SIGABRT: seen once in CI, rank 1 of a 2-rank collective publish
+    exiting while rank 0 still sent). After a failure, no wait: a rank that raised would hold the others in it."""
     if dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
