@@ -14,8 +14,10 @@ grow during training. Here each replica i has a limit L_i on its outstanding rol
 The dispatcher admits a group while the rollouts in flight plus the group stay within the sum of the up replicas'
 limits, and within `orchestrator.max_inflight`, which stays the upper bound. `floor` and `step` are one group
 (a group is admitted whole); limits start at the cap's even share. A replica whose metrics cannot be read keeps its
-limit. Additive increase and multiplicative decrease settle each replica just under the load at which it preempts,
-whatever the completion lengths (measured: benchmarks/admission.py).
+limit. Against a simulated engine (tests/test_admission.py) additive increase and multiplicative decrease settle a
+replica just under the load at which it preempts. On vLLM with multi-turn rollouts and a small KV cache they did not:
+0.80x the best fixed cap's samples/s, nearly the default's preemptions (benchmarks/results.md), since a limit on
+rollouts does not bound the tokens their contexts grow to after admission; hence `fixed` stays the default.
 """
 
 import asyncio
@@ -38,7 +40,6 @@ class Limits:
         self.cap, self.floor, self.step = cap, min(floor, cap), min(floor, cap)
         self.limits = [max(self.floor, cap // replicas)] * replicas
         self.preemptions: list[float | None] = [None] * replicas
-        self.decreases = self.increases = 0
 
     def adjust(self, index: int, load: EngineLoad, outstanding: int) -> bool:
         """Apply one reading of replica `index`; whether its limit changed."""
@@ -47,10 +48,8 @@ class Limits:
         limit = self.limits[index]
         if preempted or (load.waiting > 0 and load.kv_usage >= KV_FULL):
             new = max(self.floor, int(limit * DECREASE))
-            self.decreases += new < limit
         elif load.waiting == 0 and load.kv_usage < KV_ROOM and outstanding >= limit - self.step:
             new = min(self.cap, limit + self.step)
-            self.increases += new > limit
         else:
             new = limit
         self.limits[index] = new
