@@ -64,7 +64,11 @@ def main() -> None:
         "--transport", choices=["filesystem", "collective"], default="filesystem", help="weights.transport"
     )
     parser.add_argument("--pd", action="store_true", help="prefill/decode pairs (with --transport collective: 2)")
+    parser.add_argument("--kinds", help=f"comma-separated fault kinds to draw from (default: all of {','.join(KINDS)})")
     args = parser.parse_args()
+    unknown = set((args.kinds or "").split(",")) - set(KINDS) - {""}
+    if unknown:
+        parser.error(f"--kinds: not fault kinds: {', '.join(sorted(unknown))}")
     work = Path(args.keep or tempfile.mkdtemp(prefix="primerl-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     soak = Soak(args, work)

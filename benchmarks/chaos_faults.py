@@ -31,6 +31,7 @@ from primerl.transport.run_dir import checkpoint_path, checkpoints_root, samples
 from primerl.utils.failpoints import FAILPOINTS_ENV
 from primerl.utils.process import free_port
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout the soak's commands run in
 OUTAGE_S = 20.0  # how long the store stays down or locked, and the disk full
 SECOND_RUN_LIMIT_S = 180.0  # the second run must be refused within this (imports and config take most of it)
 

@@ -10,23 +10,21 @@ import time
 from pathlib import Path
 
 from benchmarks.chaos_faults import (
-    OUTAGE_S,
+    ROOT,
     RolloutsDisk,
     TrackingServer,
-    arm_nonfinite_step,
     cmdline,
     damage_newest_checkpoint,
     failpoint_env,
-    second_run,
     target_pid,
     tear_samples_line,
     wait_for,
 )
+from benchmarks.chaos_ridden import inject
 from primerl.launch.leftovers import run_processes
 from primerl.metrics import TRAINER, read_metrics
 from primerl.utils.process import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 # the run stops; the user reruns it (torn_samples and damaged_checkpoint: kill -9 of the orchestrator, of the trainer,
 # then the damage a kill or a shared filesystem can leave; store_down_at_start: kill -9 of the driver, then the rerun
 # meets its tracking server down; dies_at_first_request: kill -9 of the vLLM server while every start of it dies at its
@@ -72,7 +70,8 @@ class Soak:
             "ledger.system_metrics_s=5",
         ]
         rng = self.rng = random.Random(args.seed)
-        kinds = [k for k in KINDS if k != "disk_full" or self.disk.available]
+        asked = args.kinds.split(",") if args.kinds else KINDS
+        kinds = [k for k in asked if k != "disk_full" or self.disk.available]
         if args.transport == "collective":
             # several buckets per version; two replicas, so that a killed one can take the next offer while the
             # other serves (with every replica lost, a version sent by collective is nowhere: the run stops)
@@ -80,7 +79,7 @@ class Soak:
             self.cmd[self.cmd.index(next(a for a in self.cmd if a.startswith("inference.port=")))] = (
                 f"inference.port={free_port(count=2)}"
             )
-        else:
+        elif "vllm_mid_transfer" in kinds:
             kinds.remove("vllm_mid_transfer")
         if args.pd:  # each replica a prefill and a decode server behind a router (on a free port): four servers
             ports = free_port(count=4)
@@ -232,26 +231,7 @@ class Soak:
         began = time.monotonic()
         fault = {"kind": kind, "at_step": step, "stopped_s": None}
         back_before = self.returns()
-        if kind == "vllm":
-            pid = target_pid(kind, self.run, self.driver)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-        elif kind == "vllm_mid_transfer":  # the vLLM worker kills itself -9 in its next collective transfer
-            self.failpoints.mkdir(parents=True, exist_ok=True)
-            (self.failpoints / "worker.die_mid_transfer").touch()
-            wait_for(lambda: not (self.failpoints / "worker.die_mid_transfer").exists() or not self.alive(), 300)
-        elif kind == "nan_step":
-            arm_nonfinite_step(self.failpoints)
-            wait_for(lambda: not (self.failpoints / "trainer.nonfinite_loss").exists() or not self.alive(), 300)
-        elif kind == "slow_env":  # every rollout waits 2 s first, for OUTAGE_S
-            (self.failpoints / "env.slow").parent.mkdir(parents=True, exist_ok=True)
-            (self.failpoints / "env.slow").touch()
-            time.sleep(OUTAGE_S)
-            (self.failpoints / "env.slow").unlink()
-        elif kind == "second_run":
-            fault["second"] = second_run(self.cmd, ROOT, self.work / f"second-{len(self.faults)}", self.failpoints)
-        else:
-            self.outage(kind)
+        fault |= inject(self, kind)
         fault["steps_during"] = self.steps() - step
         # 4 more: with async_level 1 the trainer can have up to 2 batches written before the fault; 2 more are new
         target = min(self.steps() + 4, self.args.steps)
@@ -270,15 +250,3 @@ class Soak:
         )
         if self.driver.poll() is not None:
             self.driver = None
-
-    def outage(self, kind: str) -> None:
-        if kind == "store_down":
-            self.server.kill()
-            time.sleep(OUTAGE_S)
-            self.server.start()
-        elif kind == "store_locked":
-            self.server.lock(OUTAGE_S).join()
-        elif kind == "disk_full":
-            self.disk.fill()
-            time.sleep(OUTAGE_S)
-            self.disk.free()

@@ -22,20 +22,6 @@ ENTRY = len(LAYERS) - 1
 ENTRY_MODULES = ("launch.driver",)
 # what only the entry points may import: the Hydra app (one-line config errors, `hydra_app`)
 ENTRY_ONLY = ("primerl.app",)
-# Below `launch/`, a module takes the config sections it uses; these take the whole run's config, because what they
-# do is about the run as a whole (docs/architecture.md, "Layers"): the vLLM command line (inference, model, seed,
-# orchestrator and run directory), the run's record (tags from every section, params of all of it), the SFT
-# warm-start's cache key and data (model, env, seed, sft and the run's name), the orchestrator's wiring.
-WHOLE_RUN = {
-    "primerl.inference.vllm_args",
-    "primerl.ledger.mlflow_ledger",
-    "primerl.ledger.run_info",
-    "primerl.ledger.wandb_tracker",
-    "primerl.sft.cache",
-    "primerl.sft.source",
-    "primerl.orchestrator.orchestrator",
-    "primerl.orchestrator.runners",
-}
 
 
 def module_name(path: Path) -> str:
@@ -99,14 +85,65 @@ def test_only_entry_points_import_the_hydra_app():
 
 
 def test_library_modules_take_config_sections_not_the_whole_run():
+    """Below `launch/`, no module outside `config/` imports the root schema: a function takes the sections it uses, and
+    where a module reads many, it names them in a `*Sections` protocol (config/'s own checks across sections,
+    `validate`, `algorithm` and `serving`, take the whole config by design)."""
     graph = import_graph()
     launch = layer("primerl.launch")
-    takers = {
+    takers = sorted(
         a
         for a, imported in graph.items()
         if package_of(a) != "config" and layer(a) < launch and "primerl.config.schema" in imported
-    }  # config/'s own checks across sections (validate, algorithm, serving) take the whole config by design
-    assert takers <= WHOLE_RUN, sorted(takers - WHOLE_RUN)
+    )
+    assert not takers, takers
+
+
+def section_protocols() -> dict[str, tuple[Path, str]]:
+    """Every `class <Name>Sections(Protocol)` in primerl: name -> (file, module)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Sections"):
+                assert [ast.unparse(b) for b in node.bases] == ["Protocol"], f"{path}: {node.name} is not a Protocol"
+                found[node.name] = (path, module_name(path))
+    return found
+
+
+def test_section_protocols_are_sections_of_the_run_config_and_name_all_that_is_read():
+    """Each `*Sections` protocol lists fields of `RunConfig` with the same types (so the composed config is what the
+    entry points pass), and every `cfg.<section>` a function annotated with it reads is listed."""
+    import importlib
+    import typing
+
+    from primerl.config.schema import RunConfig
+
+    run = typing.get_type_hints(RunConfig)
+    protocols = section_protocols()
+    assert {"ServingSections", "SftSections", "OrchestratorSections", "RecordSections"} <= set(protocols)
+    declared = {}
+    for name, (_, module) in protocols.items():
+        hints = typing.get_type_hints(getattr(importlib.import_module(module), name))
+        wrong = {key: hint for key, hint in hints.items() if run.get(key) != hint}
+        assert hints and not wrong, f"{name}: not fields of RunConfig with these types: {wrong}"
+        declared[name] = set(hints)
+    unlisted = []
+    for path in PACKAGE.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for arg in fn.args.args:
+                protocol = ast.unparse(arg.annotation).strip("\"'") if arg.annotation else ""
+                if protocol not in declared:
+                    continue
+                unlisted += [
+                    f"{path.name}:{node.lineno} {arg.arg}.{node.attr} (not in {protocol})"
+                    for node in ast.walk(fn)
+                    if isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == arg.arg
+                    and node.attr not in declared[protocol]
+                ]
+    assert not unlisted, unlisted
 
 
 def test_no_module_imports_one_that_imports_it_back():

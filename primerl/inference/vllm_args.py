@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -20,7 +21,7 @@ from primerl.config.inference import (
     replica_ports,
 )
 from primerl.config.model import ModelConfig
-from primerl.config.schema import RunConfig
+from primerl.config.orchestrator import OrchestratorConfig
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, server_identity
@@ -33,6 +34,18 @@ EXTENSION_CLS = "primerl.inference.worker_extension.PrimerlWorkerExtension"
 # (vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py); measured here: the decode server's greedy ids
 # equal a single server's, its logprobs within 2e-6
 CPU_KV_CONNECTOR = "ExampleConnector"
+
+
+class ServingSections(Protocol):
+    """The sections of the run's config a server's command line reads (`RunConfig` has them, checked by
+    tests/test_layering.py): the engine's settings, the model's dtype and LoRA rank, the seed (and whether requests
+    are seeded), and the run directory its weights and identity live under."""
+
+    seed: int
+    output_dir: str
+    model: ModelConfig
+    inference: InferenceConfig
+    orchestrator: OrchestratorConfig
 
 
 def resolve_device(inf: InferenceConfig) -> str:
@@ -125,7 +138,9 @@ def lora_args(adapter: str | Path, rank: int) -> list[str]:
     ]
 
 
-def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None = None) -> list[ServerSpec]:
+def render_specs(
+    cfg: ServingSections, model_path: str, device: str, adapter: str | Path | None = None
+) -> list[ServerSpec]:
     """vLLM command lines for the configured topology: `inference.replicas` servers on consecutive ports, or with PD
     a prefill and a decode server per replica (prefill first; only one side with `inference.pd.role`). `adapter`: a
     LoRA adapter directory served as the policy over `model_path` (primerl.transport.weights). Several servers on CPU
@@ -142,7 +157,7 @@ def render_specs(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
     return specs
 
 
-def _server_args(cfg: RunConfig, model_path: str, device: str, adapter: str | Path | None) -> list[str]:
+def _server_args(cfg: ServingSections, model_path: str, device: str, adapter: str | Path | None) -> list[str]:
     """The arguments every server of the run shares (a port and a KV transfer config are added per server)."""
     inf = cfg.inference
     args = [
@@ -192,7 +207,7 @@ def _server_args(cfg: RunConfig, model_path: str, device: str, adapter: str | Pa
     return args
 
 
-def _server_env(cfg: RunConfig, device: str, adapter: str | Path | None) -> dict[str, str]:
+def _server_env(cfg: ServingSections, device: str, adapter: str | Path | None) -> dict[str, str]:
     inf = cfg.inference
     env = {
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume; primerl.inference.guard closes the rest
@@ -211,7 +226,7 @@ def _server_env(cfg: RunConfig, device: str, adapter: str | Path | None) -> dict
     return env
 
 
-def _pd_specs(cfg: RunConfig, args: list[str], env: dict[str, str]) -> list[ServerSpec]:
+def _pd_specs(cfg: ServingSections, args: list[str], env: dict[str, str]) -> list[ServerSpec]:
     """The prefill and decode servers of this process's pairs, each with its side of the pair's KV connector."""
     inf, specs = cfg.inference, []
     for pair in pd_pairs(inf):

@@ -22,9 +22,15 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from primerl.config.schema import RunConfig
 from primerl.ledger.reach import wait_for_tracking_server
-from primerl.ledger.run_info import config_source_tags, env_tags, run_name, standard_tags, task_overrides
+from primerl.ledger.run_info import (
+    RecordSections,
+    config_source_tags,
+    env_tags,
+    run_name,
+    standard_tags,
+    task_overrides,
+)
 from primerl.ledger.sweep import sweep_parent
 from primerl.ledger.system_info import system_tags
 from primerl.transport.atomic import write_json
@@ -52,14 +58,14 @@ def _configured(key: str, value: str | None, variable: str) -> str | None:
     return value or from_env
 
 
-def embedded_store(cfg: RunConfig) -> Path | None:
+def embedded_store(cfg: RecordSections) -> Path | None:
     """The embedded store's directory, or None when the run records to a tracking URI."""
     if _configured("tracking_uri", cfg.ledger.tracking_uri, "MLFLOW_TRACKING_URI"):
         return None
     return Path(cfg.ledger.store_dir).resolve()
 
 
-def tracking_uri(cfg: RunConfig) -> str:
+def tracking_uri(cfg: RecordSections) -> str:
     store = embedded_store(cfg)
     if store is None:
         return _configured("tracking_uri", cfg.ledger.tracking_uri, "MLFLOW_TRACKING_URI")
@@ -67,7 +73,7 @@ def tracking_uri(cfg: RunConfig) -> str:
     return f"sqlite:///{store / 'mlflow.db'}"
 
 
-def experiment_name(cfg: RunConfig) -> str:
+def experiment_name(cfg: RecordSections) -> str:
     return _configured("experiment_name", cfg.ledger.experiment_name, "MLFLOW_EXPERIMENT_NAME") or cfg.name
 
 
@@ -107,7 +113,7 @@ class Ledger:
     @classmethod
     def open(
         cls,
-        cfg: RunConfig,
+        cfg: RecordSections,
         resolved: DictConfig,
         run_dir: Path,
         kind: str = "train",

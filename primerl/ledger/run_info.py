@@ -9,8 +9,16 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import Protocol
 
-from primerl.config.schema import RunConfig
+from primerl.config.env import EnvConfig, MixtureEntry
+from primerl.config.eval import EvalConfig
+from primerl.config.launcher import LauncherConfig
+from primerl.config.ledger import LedgerConfig
+from primerl.config.model import ModelConfig
+from primerl.config.orchestrator import OrchestratorConfig
+from primerl.config.sft import SftConfig
+from primerl.config.trainer import TrainerConfig
 from primerl.utils.secrets import mask_overrides
 
 NAME_OVERRIDES, MAX_NAME_CHARS = 3, 250
@@ -19,7 +27,26 @@ NAME_SKIPPED_LEAVES = ("seed", "experiment", "name", "port", "host", "cache_dir"
 SWEEP = re.compile(r",|^(range|choice|interval|glob|tag)\(")  # a value Hydra sweeps over
 
 
-def description(cfg: RunConfig, kind: str) -> str:
+class RecordSections(Protocol):
+    """The sections of the run's config its record reads beside the resolved config it logs whole (`RunConfig` has
+    them, checked by tests/test_layering.py): where and under which names it is recorded (`ledger`, `name`), and what
+    its description and tags say: the model, the envs it trains and evaluates on, the seeds, the step counts and batch
+    layout, the launcher."""
+
+    name: str
+    seed: int
+    ledger: LedgerConfig
+    model: ModelConfig
+    env: EnvConfig
+    mixture: list[MixtureEntry]
+    eval: EvalConfig
+    sft: SftConfig
+    trainer: TrainerConfig
+    orchestrator: OrchestratorConfig
+    launcher: LauncherConfig
+
+
+def description(cfg: RecordSections, kind: str) -> str:
     """The run's one-paragraph summary in MLflow's Description field."""
     model = cfg.model.hub_id or cfg.model.path or f"{cfg.model.source.value} (built here)"
     if kind == "sft":
@@ -64,7 +91,7 @@ def task_overrides() -> list[str]:
     return mask_overrides(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else []
 
 
-def run_name(cfg: RunConfig, kind: str, overrides: list[str], started: str) -> str:
+def run_name(cfg: RecordSections, kind: str, overrides: list[str], started: str) -> str:
     """What tells a run from its neighbours in the UI's (truncated) name column, most telling first: the kind (`eval-`,
     `sft-`; none for training), the run's name, up to NAME_OVERRIDES overrides by their last key (the keys this
     process's command sweeps first; no paths, ports or secrets), the seed, and when it started (or its sweep and job
@@ -79,7 +106,7 @@ def run_name(cfg: RunConfig, kind: str, overrides: list[str], started: str) -> s
     return ("" if kind == "train" else f"{kind}-") + " ".join([*parts, f"seed={cfg.seed}", started])[:MAX_NAME_CHARS]
 
 
-def standard_tags(cfg: RunConfig, kind: str, git_commit: str) -> dict[str, str]:
+def standard_tags(cfg: RecordSections, kind: str, git_commit: str) -> dict[str, str]:
     """The tags MLflow's UI shows as Source, Created by, Git commit and Description."""
     return {
         "mlflow.source.name": f"primerl {kind} " + " ".join(mask_overrides(sys.argv[1:]))[:400],
@@ -117,7 +144,7 @@ def env_package(env_id: str) -> dict[str, str]:
     return {"package": version, "source_sha256": digest.hexdigest()[:16]}
 
 
-def env_tags(cfg: RunConfig) -> dict[str, str]:
+def env_tags(cfg: RecordSections) -> dict[str, str]:
     """`env.<id>.package` and `env.<id>.source_sha256` for every env the run trains or evaluates on."""
     ids = {cfg.env.id, *(e.id for e in cfg.mixture), *(e.id for e in cfg.eval.envs)}
     return {f"env.{env_id}.{key}": value for env_id in sorted(ids) for key, value in env_package(env_id).items()}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from primerl.config.schema import RunConfig
 from primerl.ledger.mlflow_ledger import experiment_name, flatten
+from primerl.ledger.run_info import RecordSections
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import wandb_record_path
 from primerl.utils.errors import ConfigError
@@ -31,7 +31,7 @@ class WandbTracker:
         self._axes: set[str] = set()
 
     @classmethod
-    def open(cls, cfg: RunConfig, resolved: DictConfig, run_dir: Path, kind: str = "train") -> "WandbTracker":
+    def open(cls, cfg: RecordSections, resolved: DictConfig, run_dir: Path, kind: str = "train") -> "WandbTracker":
         try:
             import wandb
         except ImportError as err:

@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primerl.config.schema import RunConfig
 from primerl.orchestrator.admission import KvAdmission
 from primerl.orchestrator.gauges import IdleSampler
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.runners import online_evals, training_envs
+from primerl.orchestrator.sections import OrchestratorSections
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
 from primerl.orchestrator.types import Policy
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = get_logger("orchestrator")
 
 
-async def connect_replicas(cfg: RunConfig, stack: contextlib.AsyncExitStack) -> "Replicas":
+async def connect_replicas(cfg: OrchestratorSections, stack: contextlib.AsyncExitStack) -> "Replicas":
     """Clients of the inference replicas, open inside `stack`: at the addresses the SLURM inference jobs advertise
     (on several nodes with launcher.inference_jobs > 1), else at the config's."""
     from primerl.config.inference import replica_urls
@@ -48,7 +48,7 @@ async def connect_replicas(cfg: RunConfig, stack: contextlib.AsyncExitStack) -> 
     return Replicas(clients)
 
 
-def inference_jobs(cfg: RunConfig) -> int:
+def inference_jobs(cfg: OrchestratorSections) -> int:
     return cfg.launcher.inference_jobs if cfg.launcher.name == "slurm" else 1
 
 
@@ -73,7 +73,7 @@ async def run_until_done(
         await asyncio.gather(*helpers, return_exceptions=True)
 
 
-def batch_writer(cfg: RunConfig, model_path: str) -> BatchWriter:
+def batch_writer(cfg: OrchestratorSections, model_path: str) -> BatchWriter:
     from transformers import AutoTokenizer
 
     pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
@@ -89,7 +89,9 @@ async def served_policy(replicas: "Replicas", startup_timeout_s: float) -> Polic
     return Policy(min({await client.policy_version() for client in replicas.clients}))
 
 
-def make_watcher(cfg: RunConfig, replicas: "Replicas", policy: Policy, online_eval: "OnlineEval | None") -> "Watcher":
+def make_watcher(
+    cfg: OrchestratorSections, replicas: "Replicas", policy: Policy, online_eval: "OnlineEval | None"
+) -> "Watcher":
     from primerl.orchestrator.watcher import Watcher
     from primerl.transport.address import advertised_urls
 
@@ -108,7 +110,7 @@ def make_watcher(cfg: RunConfig, replicas: "Replicas", policy: Policy, online_ev
     )
 
 
-async def run_orchestrator(cfg: RunConfig, model_path: str) -> None:
+async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
     """The real thing: verifiers envs, vLLM replicas, the run directory; `model_path` the model the run starts from
     (its tokenizer is the policy's)."""
     from primerl.envs.verifiers_env import expose_api_key

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primerl.config.schema import RunConfig
 from primerl.envs.types import RolloutRunner
+from primerl.orchestrator.sections import OrchestratorSections
 from primerl.transport.run_dir import scratch_prefix
 from primerl.utils.log import get_logger
 
@@ -22,7 +22,11 @@ log = get_logger("orchestrator")
 
 
 async def training_envs(
-    cfg: RunConfig, model_path: str, stack: contextlib.AsyncExitStack, replicas: "Replicas", pools: "list[EnvWorkers]"
+    cfg: OrchestratorSections,
+    model_path: str,
+    stack: contextlib.AsyncExitStack,
+    replicas: "Replicas",
+    pools: "list[EnvWorkers]",
 ) -> tuple[RolloutRunner, Iterable, list[str]]:
     """The rollout runner (over the inference `replicas`) and task stream of the training env, or of the `mixture`
     (primerl.envs.mixture) with its env names; every env served inside `stack`."""
@@ -47,7 +51,7 @@ async def training_envs(
 def replica_runner(
     envs: dict,
     workers: dict,
-    cfg: RunConfig,
+    cfg: OrchestratorSections,
     model_path: str,
     replicas: "Replicas",
     temperature: float,
@@ -75,7 +79,7 @@ def replica_runner(
 
 
 async def online_evals(
-    cfg: RunConfig,
+    cfg: OrchestratorSections,
     model_path: str,
     run_dir: Path,
     stack: contextlib.AsyncExitStack,

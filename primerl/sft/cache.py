@@ -7,14 +7,30 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
-from primerl.config.schema import RunConfig
-from primerl.config.sft import SftLora
+from primerl.config.env import EnvConfig, MixtureEntry
+from primerl.config.model import ModelConfig
+from primerl.config.sft import SftConfig, SftLora
 from primerl.envs.demonstrations import demonstration_hook, demonstrations_version
 from primerl.model.resolve import base_model_ref
 
 
-def sft_data_source(cfg: RunConfig) -> str | None:
+class SftSections(Protocol):
+    """The sections of the run's config the SFT warm-start reads (`RunConfig` has them, checked by
+    tests/test_layering.py): its own settings, the model it starts from, the env whose demonstrations it learns (none
+    generated for a mixture), the seed, and the run's name and cache directory that name its result."""
+
+    name: str
+    seed: int
+    cache_dir: str
+    model: ModelConfig
+    env: EnvConfig
+    mixture: list[MixtureEntry]
+    sft: SftConfig
+
+
+def sft_data_source(cfg: SftSections) -> str | None:
     """Where the warm-start's demonstrations come from: `sft.data` (a chat dataset file or directory), the env's own
     generator (`generated:<env id>`, primerl.envs.demonstrations), or None when there are none for this env (or a
     mixture of envs)."""
@@ -25,12 +41,12 @@ def sft_data_source(cfg: RunConfig) -> str | None:
     return None
 
 
-def sft_trains_lora(cfg: RunConfig) -> bool:
+def sft_trains_lora(cfg: SftSections) -> bool:
     """Whether SFT trains an adapter (`model.lora` on, `sft.lora` adapter or merged) rather than every weight."""
     return cfg.model.lora.enabled and cfg.sft.lora != SftLora.full
 
 
-def sft_checkpoint_dir(cfg: RunConfig) -> Path:
+def sft_checkpoint_dir(cfg: SftSections) -> Path:
     """Keyed by everything that changes the SFT result, so a finished warm-start is reused by later runs.
     With `sft.data`, its sha256 is part of the key: an edited dataset trains a new checkpoint."""
     settings = asdict(cfg.sft) | {"save_every": None}

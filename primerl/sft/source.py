@@ -3,16 +3,15 @@
 import random
 from collections.abc import Iterator
 
-from primerl.config.schema import RunConfig
 from primerl.envs.demonstrations import generate
 from primerl.model.resolve import prepare_base_model
-from primerl.sft.cache import sft_checkpoint_dir, sft_data_source
+from primerl.sft.cache import SftSections, sft_checkpoint_dir, sft_data_source
 from primerl.sft.data import Conversation, conversation_example, load_conversations
 from primerl.transport.atomic import is_stable
 from primerl.utils.errors import ConfigError
 
 
-def check_demonstrations(cfg: RunConfig) -> None:
+def check_demonstrations(cfg: SftSections) -> None:
     """A one-line ConfigError when SFT has nothing to learn from: no generator for the env and no `sft.data`, a bad
     dataset row, or options the generator refuses. Called before any process or rank starts."""
     if cfg.sft.data:
@@ -31,7 +30,7 @@ def check_demonstrations(cfg: RunConfig) -> None:
         check_lengths(cfg, conversations, where)
 
 
-def check_lengths(cfg: RunConfig, conversations: list[Conversation], where: list[str]) -> None:
+def check_lengths(cfg: SftSections, conversations: list[Conversation], where: list[str]) -> None:
     """Each conversation, rendered by the base model's chat template, fits one packed row of `sft.seq_len` tokens."""
     from transformers import AutoTokenizer
 
@@ -47,12 +46,12 @@ def check_lengths(cfg: RunConfig, conversations: list[Conversation], where: list
             )
 
 
-def generated_conversations(cfg: RunConfig, count: int) -> list[Conversation]:
+def generated_conversations(cfg: SftSections, count: int) -> list[Conversation]:
     rows = generate(cfg.env.id, count, cfg.seed, cfg.env.args, cfg.sft.demonstration_args)
     return [Conversation(row["messages"], row.get("tools")) for row in rows]
 
 
-def demonstration_batches(cfg: RunConfig) -> Iterator[list[Conversation]]:
+def demonstration_batches(cfg: SftSections) -> Iterator[list[Conversation]]:
     """`sft.steps` batches of `sft.batch_size` conversations: from `sft.data` (every pass reshuffled, seeded), or
     generated for the env (`check_demonstrations` first)."""
     size = cfg.sft.batch_size
