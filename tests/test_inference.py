@@ -607,6 +607,73 @@ def test_a_server_that_dies_before_serving_is_restarted_a_bounded_number_of_time
         assert f"{ENGINE_ERROR} (exit code 0)" in str(err) and len(str(err).splitlines()) == 1
 
 
+class _StandIn(VllmServer):
+    """tests.workers.dies_at_first_request with the given options, in the server's place."""
+
+    def __init__(self, spec, log, options: list[str]):
+        super().__init__(spec, log)
+        self.options = options
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "tests.workers.dies_at_first_request",
+            "--port",
+            str(self.spec.port),
+            *self.options,
+        ]
+
+
+def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_path, monkeypatch):
+    """A server killed by a signal during its first start (before it is ready) is a fault like a kill after it
+    started: the inference process's supervisor starts it again (counted against its restart budget), instead of
+    the whole run stopping. A server that exits by itself while starting is the engine's refusal: reported at once."""
+    from primerl.entrypoints.inference import keep_serving
+    from primerl.inference.guard import API_KEY_ENV
+    from primerl.inference.server import start_side_by_side
+    from primerl.transport.identity import SERVER_ID_ENV
+
+    monkeypatch.setattr("primerl.entrypoints.inference.HEALTH_EVERY_S", 0.2)
+    env = {API_KEY_ENV: API_KEY, SERVER_ID_ENV: "run-id", "PYTHONPATH": str(Path(__file__).parents[1])}
+    marker = tmp_path / "killed-once"
+    options = ["--serve-first", "--killed-at-start", str(marker)]
+    server = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "server.log", options)
+    with pytest.raises(InferenceStartError, match="exited with code -9 before it was ready"):
+        start_side_by_side([server], 30)  # without a supervisor, the start fails
+    marker.unlink()
+    start_side_by_side([server], 30, supervised=True)
+    assert server.killed_by_signal()
+    stop, outcome = threading.Event(), []
+
+    def each_poll():
+        if stop.is_set():
+            raise InterruptedError
+
+    def supervise():
+        try:
+            keep_serving([server], 30, each_poll)
+        except InterruptedError:
+            pass
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            outcome.append(err)
+
+    thread = threading.Thread(target=supervise, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: not server.killed_by_signal() and server._health(new_challenge()), "the restart", 30)
+        answer = httpx.post(f"{server.base_url}/v1/completions", json={}, headers=_auth(), timeout=10)
+        assert answer.status_code == 200  # the restarted server serves
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        server.stop()
+    assert not thread.is_alive() and not outcome
+    refusing = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "r.log", ["--fails-at-start"])
+    with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
+        start_side_by_side([refusing], 30, supervised=True)
+
+
 def _supervise(server, outcome: list) -> None:
     from primerl.entrypoints.inference import keep_serving
     from primerl.utils.errors import RunError

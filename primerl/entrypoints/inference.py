@@ -98,9 +98,12 @@ def main(dict_cfg: DictConfig) -> None:
     servers = [server_for(cfg.output_dir, spec, node) for spec in specs]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with serving(cfg.inference, cfg.output_dir, servers) as routers:
+        with serving(cfg.inference, cfg.output_dir, servers, supervised=True) as routers:
             for server in servers:
-                log.info(f"serving {model_path} at {server.base_url}")
+                if server.killed_by_signal():  # keep_serving starts it again at its first poll
+                    log.warning(f"the vLLM server at {server.base_url} was killed while it started")
+                else:
+                    log.info(f"serving {model_path} at {server.base_url}")
             keep_serving(servers, cfg.inference.startup_timeout_s, follow_pairs(cfg, routers))
     except (InferenceStartError, RunError) as err:
         log.error(str(err))

@@ -93,6 +93,10 @@ class VllmServer:
         found = engine_error(text)
         return f"{found} (exit code {code})" if found else f"exit code {code}, no error in {self.log_path}"
 
+    def killed_by_signal(self) -> bool:
+        """Whether the server's process ended by a signal (a negative exit code), not by its own exit."""
+        return self.process is not None and self.process.poll() is not None and self.process.returncode < 0
+
     def start(self, timeout_s: float = 600.0) -> "VllmServer":
         self.spawn()
         return self.wait_ready(timeout_s)
@@ -189,12 +193,19 @@ class VllmServer:
         self.stop()
 
 
-def start_side_by_side(servers: list[VllmServer], timeout_s: float = 600.0) -> None:
-    """Start every server at once (each vLLM start is mostly waiting), then wait for each to be ready."""
+def start_side_by_side(servers: list[VllmServer], timeout_s: float = 600.0, supervised: bool = False) -> None:
+    """Start every server at once (each vLLM start is mostly waiting), then wait for each to be ready. `supervised`:
+    a server killed by a signal while it starts (the OOM killer, an operator's kill) is left exited for its
+    supervisor to start again, counted against its restart budget (primerl.entrypoints.inference.keep_serving); a
+    server that exits by itself, or is not ready in time, stops the start: the engine's own refusal, reported at once."""
     for server in servers:
         server.spawn()
     for server in servers:
-        server.wait_ready(timeout_s)
+        try:
+            server.wait_ready(timeout_s)
+        except InferenceStartError:
+            if not (supervised and server.killed_by_signal()):
+                raise
 
 
 def stop_side_by_side(servers: list[VllmServer], grace_s: float = NESTED_GRACE_S) -> None:

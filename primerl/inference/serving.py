@@ -27,12 +27,15 @@ def server_for(run_dir: str | Path, spec: ServerSpec, node: str | None = None) -
 
 
 @contextlib.contextmanager
-def serving(inf: InferenceConfig, run_dir: str | Path, servers: list[VllmServer]) -> Iterator[list[PdRouter]]:
+def serving(
+    inf: InferenceConfig, run_dir: str | Path, servers: list[VllmServer], supervised: bool = False
+) -> Iterator[list[PdRouter]]:
     """Start `servers` and, with prefill/decode, their pairs' routers (yielded); stop them all at the end. A second
-    SIGTERM while they stop (the driver's death after its own SIGTERM) does not cut the stop short."""
+    SIGTERM while they stop (the driver's death after its own SIGTERM) does not cut the stop short. `supervised`: a
+    server killed while it starts is left to its supervisor (primerl.inference.server.start_side_by_side)."""
     routers = []
     try:
-        start_side_by_side(servers, inf.startup_timeout_s)
+        start_side_by_side(servers, inf.startup_timeout_s, supervised)
         if inf.pd.enabled and inf.pd.role != PdRole.prefill:
             routers = start_routers(inf, run_dir, servers[0].spec.env)
         yield routers

@@ -1,15 +1,22 @@
 """A stand-in for a vLLM server whose engine cannot run its model: it passes readiness (the run's id and, with a key,
 the proof of it: primerl.transport.identity) and dies at its first generate request, logging the engine's error
 first, then a leak report, and exiting 0, as vLLM-CPU does with an unsupported head size. With `--serve-first` it
-answers that request (vLLM's request_success_total counts it) and dies at the second.
+answers that request (vLLM's request_success_total counts it) and dies at the second. With `--killed-at-start
+MARKER` it kills itself with SIGKILL before it answers anything, the first time (when MARKER does not exist yet: it
+creates it), as the OOM killer or an operator may kill a starting server; with `--fails-at-start` it exits 1 before
+it answers anything, as an engine that refuses its config does.
 
-    python -m tests.workers.dies_at_first_request --port P [--serve-first]   (key and id from the environment)
+    python -m tests.workers.dies_at_first_request --port P [--serve-first] [--killed-at-start MARKER]
+        [--fails-at-start]   (key and id from the environment)
 """
 
 import argparse
 import http.server
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 from primerl.inference.guard import API_KEY_ENV
 from primerl.transport.identity import (
@@ -28,7 +35,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--serve-first", action="store_true")
+    parser.add_argument("--killed-at-start", type=Path)
+    parser.add_argument("--fails-at-start", action="store_true")
     args, _ = parser.parse_known_args()
+    time.sleep(0.5)  # starting
+    if args.fails_at_start:
+        print("ValueError: the engine refuses this config", flush=True)
+        sys.exit(1)
+    if args.killed_at_start and not args.killed_at_start.exists():
+        args.killed_at_start.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
     key, served = os.environ.get(API_KEY_ENV), [0]
 
     class Handler(http.server.BaseHTTPRequestHandler):
