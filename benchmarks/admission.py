@@ -20,18 +20,13 @@ Medians over rounds, with ranges.
 import argparse
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from benchmarks.long_tail import CONTEXT_KEYS, LETTERS_ONLY, _healthy
+from benchmarks.long_tail import CONTEXT_KEYS, LETTERS_ONLY, generate_only
 from primerl.metrics import ORCHESTRATOR, read_metrics
 from primerl.metrics import OrchestratorMetric as M
-from primerl.utils.process import free_port, stop_process_groups
+from primerl.utils.process import free_port
 
 PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
 
@@ -61,32 +56,7 @@ def run_overrides(args, admission: str, cap: int, run_dir: Path) -> list[str]:
 
 def one_run(args, admission: str, cap: int, run_dir: Path) -> dict[str, float]:
     overrides = run_overrides(args, admission, cap, run_dir)
-    port = int(next(a for a in overrides if a.startswith("inference.port=")).split("=")[1])
-    server = subprocess.Popen(
-        [sys.executable, "-m", "primerl.entrypoints.inference", *overrides, f"hydra.run.dir={run_dir}/logs/inf"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not _healthy(port):
-            if server.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"the inference server did not start (logs in {run_dir}/logs)")
-            time.sleep(1)
-        cmd = [
-            sys.executable,
-            "-m",
-            "primerl.entrypoints.orchestrator",
-            *overrides,
-            f"hydra.run.dir={run_dir}/logs/orch",
-        ]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            sys.exit(f"{admission} {cap} failed:\n{result.stderr[-3000:]}")
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    finally:
-        stop_process_groups([server], 30)
+    metrics = generate_only(overrides, run_dir, f"{admission} {cap}")
     rows = read_metrics(run_dir, ORCHESTRATOR)
     steady = rows[1:-1]  # after the first batch (warm-up), before the last (admission capped by max_steps)
     limits = [r[M.INFLIGHT_LIMIT] for r in steady if M.INFLIGHT_LIMIT in r]

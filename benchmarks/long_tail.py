@@ -95,9 +95,18 @@ def generation_run(mode: str, args, model: str | None, run_dir: Path) -> tuple[l
     """Inference and orchestrator only, no trainer and no waiting for policies (async_level = steps): what the dispatch
     does to generation, as where training has devices of its own. samples/s = batches cut per second."""
     args_ = [*overrides(mode, args, model, args.steps, args.steps), f"output_dir={run_dir}"]
-    port = int(next(a for a in args_ if a.startswith("inference.port=")).split("=")[1])
+    generate_only(args_, run_dir, f"{mode} (generation only)")
+    orch = read_metrics(run_dir, ORCHESTRATOR)  # the last batch is the wind-down: admission capped by max_steps
+    return orch[:-1], args.batch * (len(orch) - 1) / (orch[-1]["time"] - orch[0]["time"])
+
+
+def generate_only(overrides: list[str], run_dir: Path, label: str) -> str:
+    """Start the inference process of `overrides` (its own session), wait for its /health, run the orchestrator to
+    the end, and stop the server; returns the server's Prometheus /metrics text as the run ended. Exits with `label`
+    and the orchestrator's last stderr when either fails."""
+    port = int(next(a for a in overrides if a.startswith("inference.port=")).split("=")[1])
     server = subprocess.Popen(
-        [sys.executable, "-m", "primerl.entrypoints.inference", *args_, f"hydra.run.dir={run_dir}/logs/inf"],
+        [sys.executable, "-m", "primerl.entrypoints.inference", *overrides, f"hydra.run.dir={run_dir}/logs/inf"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -106,16 +115,21 @@ def generation_run(mode: str, args, model: str | None, run_dir: Path) -> tuple[l
         deadline = time.monotonic() + 600
         while not _healthy(port):
             if server.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"{mode}: the inference server did not start (logs in {run_dir}/logs)")
+                sys.exit(f"{label}: the inference server did not start (logs in {run_dir}/logs)")
             time.sleep(1)
-        cmd = [sys.executable, "-m", "primerl.entrypoints.orchestrator", *args_, f"hydra.run.dir={run_dir}/logs/orch"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "primerl.entrypoints.orchestrator",
+            *overrides,
+            f"hydra.run.dir={run_dir}/logs/orch",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            sys.exit(f"{mode} (generation only) failed:\n{result.stderr[-3000:]}")
+            sys.exit(f"{label} failed:\n{result.stderr[-3000:]}")
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
         stop_process_groups([server], 30)
-    orch = read_metrics(run_dir, ORCHESTRATOR)  # the last batch is the wind-down: admission capped by max_steps
-    return orch[:-1], args.batch * (len(orch) - 1) / (orch[-1]["time"] - orch[0]["time"])
 
 
 def _healthy(port: int) -> bool:
