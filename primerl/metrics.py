@@ -65,6 +65,8 @@ class TrainerMetric:
     IS_WEIGHT_MEAN = "off_policy/is_weight_mean"
     IS_WEIGHT_MAX = "off_policy/is_weight_max"
     CORRECTED_FRACTION = "off_policy/corrected_fraction"
+    # routing replay: share of sampled tokens predicted from positions routed by the engine's recorded experts
+    REPLAYED_FRACTION = "moe/replayed_fraction"
     UPDATE_SKIPPED = "update_skipped"  # share of the batch's updates skipped: loss or gradient norm not finite
     MIN_POLICY_VERSION = "batch/min_policy_version"  # oldest policy that generated any of the batch's tokens
     STEP_S = "time/step_s"  # read the batch + forward + backward + optimizer

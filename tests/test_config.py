@@ -66,6 +66,12 @@ def test_every_group_option_composes(group, option):
         (["inference.host=0.0.0.0"], "inference.api_key", "not a loopback address"),
         (["parallelism=fsdp2_ep"], "parallelism.ep", "needs a MoE model"),
         (["model=tiny_moe", "parallelism.ep=3"], "parallelism.ep", "must divide model.arch.num_experts=4"),
+        (["trainer.moe.routing_replay=true"], "trainer.moe.routing_replay", "needs a MoE model"),
+        (
+            ["model=tiny_moe", "parallelism=fsdp2_cp", "trainer.moe.routing_replay=true"],
+            "trainer.moe.routing_replay",
+            "not supported with parallelism.cp=2",
+        ),
         (["env=verifiers"], "env.id", "is required"),
         (["model.source=path"], "model.path", "required when model.source=path"),
         (["model.source=path", "model.path=/no/such/model"], "model.path", "not a Hugging Face model directory"),

@@ -30,24 +30,36 @@ ALGORITHM = (
 )
 
 
+# routing replay: every token routed to experts fixed by its position, not the router's choice
+# (primerl/trainer/routing_replay.py)
+REPLAY = "trainer.moe.routing_replay=true"
+
+
+def forced_routes(micro: dict, layers: int, experts: int) -> torch.Tensor:
+    """Routes for every position of `micro`: experts (t + layer) % E and (t + layer + 1) % E."""
+    rows, length = micro["input_ids"].shape
+    t = torch.arange(length).view(1, length, 1).expand(rows, length, layers) + torch.arange(layers)
+    return torch.stack([t % experts, (t + 1) % experts], -1)
+
+
 @pytest.mark.parametrize(
     "model,parallelism,savers,algorithm",
     [
         ("tiny", "fsdp2", (), ALGORITHM),
-        ("tiny_moe", "fsdp2_ep", (), ()),
+        ("tiny_moe", "fsdp2_ep", (), (REPLAY,)),
         ("tiny", "fsdp2_cp", MEMORY_SAVERS, ("trainer.loss.reduction=sequence",)),
         ("tiny", "fsdp2_cp", MEMORY_SAVERS, ("model.lora.rank=8", "trainer.optim.lr=3e-3")),
     ],
 )
 def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, parallelism, savers, algorithm):
     """fsdp2: parameters sharded over 2 ranks, micro-batches split; fsdp2_ep: the MoE experts split 2+2 over the
-    ranks, tokens sent to them by all-to-all; fsdp2_cp: every packed row split in two halves, attention over the
-    all-gathered keys and values, and on top each decoder layer's activations recomputed in the backward and the
-    tokens scored 7 at a time. The 1-rank run is the plain model in every case (its micro-batches of 128 tokens
-    scored in one chunk: the full-vocabulary path). With fsdp2 the loss is GSPO's, reduced per sequence, with a KL
-    to the reference and a truncated geometric-mean IS correction; with
-    fsdp2_cp the default loss reduced per sequence, whose sequences straddle the CP split; and fsdp2_cp again with
-    LoRA adapters, the only parameters that train and that are published."""
+    ranks, tokens sent to them by all-to-all, each token to the experts its batch replays (routing replay);
+    fsdp2_cp: every packed row split in two halves, attention over the all-gathered keys and values, and on top
+    each decoder layer's activations recomputed in the backward and the tokens scored 7 at a time. The 1-rank run
+    is the plain model in every case (its micro-batches of 128 tokens scored in one chunk: the full-vocabulary
+    path). With fsdp2 the loss is GSPO's, reduced per sequence, with a KL to the reference and a truncated
+    geometric-mean IS correction; with fsdp2_cp the default loss reduced per sequence, whose sequences straddle the
+    CP split; and fsdp2_cp again with LoRA adapters, the only parameters that train and that are published."""
     args = [
         "+experiment=reverse_text",
         "sft.enabled=false",
@@ -66,6 +78,10 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
     assert len(batch.micro_batches) % 2 == 1  # with fsdp2, rank 1 also runs a loss-free padding pass
     # with fsdp2_cp, documents cross the split point of a row
     assert any(mb["position_ids"][0, 64] != 0 for mb in batch.micro_batches)
+    replay = REPLAY in algorithm
+    if replay:  # the routes travel in the batch; the model's own log-probs were scored with its own routing
+        for mb in batch.micro_batches:
+            mb["routed_experts"] = forced_routes(mb, cfg.model.arch.num_hidden_layers, cfg.model.arch.num_experts)
     rows, weights = {}, {}
     for nproc in (1, 2):
         run = tmp_path / f"np{nproc}"
@@ -84,7 +100,12 @@ def test_trainer_one_rank_equals_two_ranks(cache_dir, tmp_path, model, paralleli
         (rows[nproc],) = read_metrics(run, "trainer")
         published = weights_path(run, 1)
         weights[nproc] = load_file(published / ("adapter_model.safetensors" if lora else "model.safetensors"))
-    assert rows[1]["mismatch_kl"] < 1e-10  # the batch's logprobs are the model's own
+    if replay:  # the trainer ran the batch's experts, not its own: another policy than the one that scored it
+        assert rows[1]["mismatch_kl"] > 1e-4 and rows[1]["moe/replayed_fraction"] == 1.0
+        assert rows[2]["mismatch_kl"] == pytest.approx(rows[1]["mismatch_kl"], rel=1e-5)
+        assert rows[2]["moe/replayed_fraction"] == 1.0
+    else:
+        assert rows[1]["mismatch_kl"] < 1e-10  # the batch's logprobs are the model's own
     if algorithm == ALGORITHM:  # before the first update the policy is its reference
         assert rows[1]["reference_kl"] < 1e-12 and rows[2]["reference_kl"] < 1e-12
         for key in ("off_policy/is_weight_mean", "off_policy/is_weight_max"):  # the model's own samples: ~1

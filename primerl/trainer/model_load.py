@@ -41,6 +41,7 @@ from primerl.model.adapter import add_adapters, base_param_name, is_adapter_para
 from primerl.trainer.context_parallel import ContextParallel
 from primerl.trainer.dist import DistInfo, data_mesh, mixed_precision, shard_model
 from primerl.trainer.logprobs import ScoresHead
+from primerl.trainer.routing_replay import install_routing_replay
 from primerl.utils.log import get_logger
 
 log = get_logger("trainer")
@@ -214,13 +215,16 @@ def sharded_model(
     frozen: bool = False,
     adapter: AdapterSpec | None = None,
 ) -> tuple[nn.Module, set[nn.Parameter]]:
-    """The model at `base` as the trainer runs it: a `ScoresHead` in place of its lm_head, LoRA adapters when asked
+    """The model at `base` as the trainer runs it: a `ScoresHead` in place of its lm_head, `ReplayRouter`s in place of
+    its MoE routers with `compute.moe.routing_replay` (primerl.trainer.routing_replay), LoRA adapters when asked
     (only they train), each decoder layer's activations checkpointed when asked, CP's attention, EP and FSDP2 over
     every rank (mixed precision per `compute.precision`), this rank's shards read from `base`. Returns it and its
     expert parameters (EP). `frozen`: no gradients, eval mode, no checkpointing (a reference policy)."""
     model = empty_model(base, compute.attention)
     model.train(not frozen)
     model.lm_head = ScoresHead(model.lm_head, compute.logprob_chunk_size)
+    if compute.moe.routing_replay and not frozen:  # the reference routes by its own router
+        install_routing_replay(model)
     if adapter is not None:
         with parameters_on_meta():
             add_adapters(model, adapter.lora, base)

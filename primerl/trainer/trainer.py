@@ -34,6 +34,7 @@ from primerl.trainer.dist import MAX_SUFFIX, DistInfo, all_reduce_sums
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
 from primerl.trainer.model_load import AdapterSpec, sharded_model
+from primerl.trainer.routing_replay import ROUTES_FIELD, ReplayRouter, moe_routers, replayed_tokens, replaying
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
 from primerl.utils.errors import RunError
 from primerl.utils.failpoints import failpoint
@@ -75,6 +76,9 @@ class Trainer:
         self.export_dtype = torch.float32
         self.reference: torch.nn.Module | None = None
         self.lora: LoraConfig | None = None
+        # routing replay: its routers take the batch's routed experts (primerl.trainer.routing_replay)
+        self.replays = any(isinstance(router, ReplayRouter) for router in moe_routers(model))
+        self._warned_no_routes = False
 
     @classmethod
     def build(
@@ -138,11 +142,15 @@ class Trainer:
     ) -> tuple[torch.Tensor, MicroBatch]:
         head: ScoresHead = model.lm_head
         head.targets, head.temperature = next_tokens(micro["input_ids"]), temperature
+        routes = micro.get(ROUTES_FIELD) if model is self.model and self.replays else None
         try:
             if self.context is None:
                 # use_cache=False matters: with a KV cache transformers skips the block-causal mask of packed rows
-                out = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
+                with replaying(model, routes):
+                    out = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
                 return out.logits, micro
+            if routes is not None:
+                raise ValueError("routing replay with context parallel is not supported (config: parallelism.cp=1)")
             head.targets = self.context.local(head.targets)
             with self.context.inputs(micro) as (input_ids, position_ids):
                 out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
@@ -159,8 +167,13 @@ class Trainer:
             raise ValueError("every rank needs at least one micro-batch (pad with loss-free ones)")
         sums: dict[str, float] = {}
         forward_s = backward_s = 0.0
+        self._note_routes(micro_batches)
         for micro in micro_batches:
             started = time.perf_counter()
+            if self.replays:
+                sums["replayed"] = sums.get("replayed", 0.0) + replayed_tokens(
+                    micro.get(ROUTES_FIELD), micro["loss_mask"]
+                )
             scores, micro = self._scores({k: v.to(self.info.device) for k, v in micro.items()}, temperature)
             loss, parts = loss_fn(scores, micro)
             if self.info.is_main and failpoint("trainer.nonfinite_loss"):
@@ -181,6 +194,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._count_skipped(index, applied, sums["loss"], grad_norm)
         return StepResult(sums, grad_norm, applied, forward_s, backward_s, time.perf_counter() - optimizer_at)
+
+    def _note_routes(self, micro_batches: list[MicroBatch]) -> None:
+        """Say once when routing replay is on and a step's micro-batches carry no routed experts (the trainer's own
+        router routes them; the `replayed_fraction` metric shows it per step)."""
+        if self.replays and not self._warned_no_routes and all(ROUTES_FIELD not in mb for mb in micro_batches):
+            self._warned_no_routes = True
+            if self.info.is_main:
+                log.warning(
+                    "trainer.moe.routing_replay: this batch carries no routed experts; the trainer's router routes it"
+                )
 
     def _count_skipped(self, index: int, applied: bool, loss: float, grad_norm: float) -> None:
         if applied:

@@ -82,4 +82,6 @@ def update_metrics(first_pass: list[StepResult], every: list[StepResult]) -> dic
         row[TrainerMetric.IS_WEIGHT_MEAN] = sums["is_weight"] / tokens
         row[TrainerMetric.IS_WEIGHT_MAX] = max(r.sums["is_weight_max"] for r in first_pass)
         row[TrainerMetric.CORRECTED_FRACTION] = sums["corrected"] / tokens
+    if "replayed" in sums:  # routing replay
+        row[TrainerMetric.REPLAYED_FRACTION] = sums["replayed"] / tokens
     return row

@@ -21,6 +21,9 @@ from primerl.transport.run_dir import rollout_path
 from primerl.utils.errors import RunError
 
 MICRO_BATCH_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages")
+# present only when the batch carries them: the experts the engine routed each token to in each MoE layer,
+# [rows, seq_len, moe_layers, k], negative where none (primerl/trainer/routing_replay.py)
+OPTIONAL_MICRO_BATCH_FIELDS = ("routed_experts",)
 SAMPLING_FIELDS = ("temperature", "async_level")
 
 
@@ -112,5 +115,9 @@ def read_rollout_batch(path: str | Path) -> RolloutBatch:
         )
     if expected is None or _digest(tensors, meta)[0] != expected:
         raise CorruptBatch(path, "its data or metadata does not match its recorded sha256")
-    micro = [{k: tensors[f"mb{i}.{k}"] for k in MICRO_BATCH_FIELDS} for i in range(meta.pop("num_micro_batches"))]
+    micro = [
+        {k: tensors[f"mb{i}.{k}"] for k in MICRO_BATCH_FIELDS}
+        | {k: tensors[f"mb{i}.{k}"] for k in OPTIONAL_MICRO_BATCH_FIELDS if f"mb{i}.{k}" in tensors}
+        for i in range(meta.pop("num_micro_batches"))
+    ]
     return RolloutBatch(micro_batches=micro, **meta)
