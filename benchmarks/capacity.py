@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -80,14 +81,27 @@ def cpu_seconds(process: psutil.Process) -> tuple[float, float]:
     return seconds[0], sum(seconds[1:])
 
 
-def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout_s: float = 600) -> tuple[float, float]:
+@dataclass
+class Driven:
+    """What `drive` measured of the orchestrator process: CPU seconds of its own process and of its env workers
+    from batch 0 to the last batch, its largest resident memory at a batch, and the seconds from its start to
+    batch 0 (start-up: connecting to every replica, serving the envs, the first batch)."""
+
+    cpu_s: float
+    workers_cpu_s: float
+    rss_mb: float
+    first_batch_s: float
+
+
+def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout_s: float = 600) -> Driven:
     """Run the orchestrator to `steps` batches, publishing policy n+1 once batch n exists (an empty STABLE weights
-    directory: the stand-ins load nothing). Returns the CPU seconds of its own process and of its env workers from
-    batch 0 to the last batch."""
+    directory: the stand-ins load nothing)."""
     log = open(run / "orchestrator-stdout.log", "wb")
     cmd = [*pinned(core), sys.executable, "-m", "primerl.entrypoints.orchestrator", *overrides]
+    started = time.monotonic()
     orchestrator = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    watched, deadline, cpu_at = psutil.Process(orchestrator.pid), time.monotonic() + timeout_s, {}
+    watched, deadline, cpu_at, rss_mb = psutil.Process(orchestrator.pid), started + timeout_s, {}, 0.0
+    first_batch_s = 0.0
     try:
         for step in range(steps):
             while not rollout_path(run, step).exists():
@@ -95,7 +109,9 @@ def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout
                     tail = (run / "orchestrator-stdout.log").read_text()[-2000:]
                     raise RuntimeError(f"the orchestrator stopped before batch {step}:\n{tail}")
                 time.sleep(0.005)
+            first_batch_s = first_batch_s or time.monotonic() - started
             cpu_at[step] = cpu_seconds(watched)
+            rss_mb = max(rss_mb, watched.memory_info().rss / 2**20)
             with atomic_dir(weights_path(run, step + 1)):
                 pass
         if orchestrator.wait(timeout=120) != 0:
@@ -105,24 +121,25 @@ def drive(run: Path, overrides: list[str], steps: int, core: int | None, timeout
             orchestrator.kill()
         log.close()
     (main_end, workers_end), (main_start, workers_start) = cpu_at[steps - 1], cpu_at[0]
-    return main_end - main_start, workers_end - workers_start
+    return Driven(main_end - main_start, workers_end - workers_start, rss_mb, first_batch_s)
 
 
-def measure(run: Path, cpu_s: tuple[float, float]) -> dict[str, float]:
+def measure(run: Path, driven: Driven) -> dict[str, float]:
     """Figures over batches 1..steps-1 (batch 0 includes the start)."""
     rows = read_metrics(run, ORCHESTRATOR)[1:]
     seconds = rows[-1]["time"] - read_metrics(run, ORCHESTRATOR)[0]["time"]
     rollouts = sum(r[OrchestratorMetric.ROLLOUTS_OK] + r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows)
     return {
         "rollouts_per_s": rollouts / seconds,
-        "orchestrator_cpu_ms_per_rollout": 1000 * cpu_s[0] / rollouts,
-        "workers_cpu_ms_per_rollout": 1000 * cpu_s[1] / rollouts,
+        "orchestrator_cpu_ms_per_rollout": 1000 * driven.cpu_s / rollouts,
+        "workers_cpu_ms_per_rollout": 1000 * driven.workers_cpu_s / rollouts,
         "failed": sum(r[OrchestratorMetric.ROLLOUTS_FAILED] for r in rows),
         "cancelled": sum(r.get(OrchestratorMetric.ROLLOUTS_CANCELLED) or 0 for r in rows),
         "rerouted": sum(r.get(OrchestratorMetric.ROLLOUTS_REROUTED) or 0 for r in rows),
         "inflight": statistics.median(r[OrchestratorMetric.INFLIGHT] for r in rows),
         "loop_lag_max_ms": 1000 * max(r[OrchestratorMetric.LOOP_LAG_MAX] for r in rows),
         "weight_load_ms": 1000 * statistics.median(r[OrchestratorMetric.WEIGHT_LOAD_S] for r in rows),
+        "rss_mb": driven.rss_mb,
     }
 
 
@@ -132,11 +149,11 @@ def one_run(root: Path, args: argparse.Namespace, workers: int) -> dict[str, flo
     servers = start_standins(run, port, args.replicas, 1, "--tokens", str(args.tokens))
     try:
         overrides = orchestrator_overrides(run, port, args.replicas, args.steps, args.batch, workers, args.env)
-        cpu_s = drive(run, overrides, args.steps, 0)
+        driven = drive(run, overrides, args.steps, 0)
     finally:
         servers.terminate()
         servers.wait(timeout=30)
-    return measure(run, cpu_s)
+    return measure(run, driven)
 
 
 def spread(values: list[float]) -> str:

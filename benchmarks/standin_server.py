@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from primerl.transport.atomic import write_json
 from primerl.transport.identity import SERVER_ID_HEADER
 from primerl.transport.weights import published_fingerprint
 
@@ -51,6 +52,7 @@ class Replica:
     loads: int = 0
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
     slots: asyncio.Semaphore | None = None
+    requests: dict[str, int] = field(default_factory=dict)  # per route, every request this replica received
 
     def __post_init__(self) -> None:
         self.resumed.set()
@@ -125,8 +127,13 @@ class Replica:
         text = f'vllm:num_requests_running{{model_name="policy"}} {self.running}\n'
         return web.Response(text=text, headers=self.headers())
 
+    @web.middleware
+    async def count(self, request: web.Request, handler):
+        self.requests[request.path] = self.requests.get(request.path, 0) + 1
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self.count])
         app.router.add_post("/inference/v1/generate", self.generate)
         app.router.add_post("/collective_rpc", self.rpc)
         app.router.add_post("/pause", self.pause)
@@ -161,7 +168,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=0)
     parser.add_argument("--load-s", type=float, default=0.0)
-    parser.add_argument("--stats", help="write each replica's counts here (JSON) every second")
+    parser.add_argument(
+        "--stats", help="write each replica's counts, and all requests per route, here (JSON) each second"
+    )
     args = parser.parse_args()
     latency = Latency(args.ttft_s, args.token_s, args.tokens, args.concurrency, args.load_s)
 
@@ -173,9 +182,11 @@ def main() -> None:
             await asyncio.sleep(1.0)
             if args.stats:
                 counts = [{"served": r.served, "running": r.running, "loads": r.loads} for r in replicas]
-                stats = {"time": time.time(), "replicas": counts}
-                with open(args.stats, "w") as f:
-                    json.dump(stats, f)
+                requests: dict[str, int] = {}
+                for replica in replicas:
+                    for route, n in replica.requests.items():
+                        requests[route] = requests.get(route, 0) + n
+                write_json(args.stats, {"time": time.time(), "replicas": counts, "requests": requests})
 
     asyncio.run(run())
 

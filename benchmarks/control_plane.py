@@ -1,0 +1,78 @@
+"""The orchestrator's control plane as the replica count grows: the real orchestrator against R stand-in replicas
+(benchmarks/standin_server.py, all in one process on their own core) with a stand-in trainer publishing a version
+per batch (benchmarks/capacity.py `drive`), for each R given.
+
+    python -m benchmarks.control_plane [--replicas 4 64 256 1024] [--steps 8] [--batch 256] [--rounds 1]
+
+Per R: rollouts/s; the orchestrator's CPU ms per rollout (its own process, pinned to core 0); the time the
+replicas were paused for weight loads per batch (the fan-out of pause, load and resume to every replica, median);
+the event loop's worst lag; its largest resident memory; its start-up (process start to batch 0); and the requests
+each route of the replicas received per batch, summed over replicas (health checks, the idle gauge's /metrics,
+weight loads and pauses): what grows with R. Rounds alternate the replica counts; medians and ranges.
+"""
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.capacity import drive, measure, orchestrator_overrides, spread, start_standins
+from primerl.utils.process import free_port
+
+ROUTES = {"/health": "health", "/metrics": "metrics", "/collective_rpc": "rpc", "/pause": "pause"}
+
+
+def one_run(root: Path, args: argparse.Namespace, replicas: int) -> dict[str, float]:
+    run = Path(tempfile.mkdtemp(prefix=f"r{replicas}-", dir=root))
+    port, stats = free_port(count=replicas), run / "standin.json"
+    servers = start_standins(run, port, replicas, 1, "--tokens", str(args.tokens), "--stats", str(stats))
+    try:
+        overrides = orchestrator_overrides(run, port, replicas, args.steps, args.batch, 0)
+        driven = drive(run, overrides, args.steps, 0, timeout_s=args.timeout_s)
+        time.sleep(1.5)  # the stand-ins write their counts each second
+        requests = json.loads(stats.read_text())["requests"]
+    finally:
+        servers.terminate()
+        servers.wait(timeout=60)
+    figures = measure(run, driven)
+    keep = ("rollouts_per_s", "orchestrator_cpu_ms_per_rollout", "weight_load_ms", "loop_lag_max_ms", "rss_mb")
+    out = {key: figures[key] for key in keep} | {"first_batch_s": driven.first_batch_s}
+    for route, name in ROUTES.items():
+        out[f"{name}_per_batch"] = requests.get(route, 0) / args.steps
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[4, 64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256, help="rollouts per batch (orchestrator.batch_size)")
+    parser.add_argument("--tokens", type=int, default=8, help="completion tokens per rollout")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--timeout-s", type=float, default=900)
+    args = parser.parse_args()
+    results: dict[int, list[dict[str, float]]] = {r: [] for r in args.replicas}
+    with tempfile.TemporaryDirectory(prefix="control-plane-") as root:
+        for round_ in range(args.rounds):
+            for replicas in args.replicas:
+                figures = one_run(Path(root), args, replicas)
+                results[replicas].append(figures)
+                shown = ", ".join(f"{k} {v:.3g}" for k, v in figures.items())
+                print(f"round {round_} replicas={replicas}: {shown}", flush=True)
+    keys = list(next(iter(results.values()))[0])
+    print("\n| replicas | " + " | ".join(keys) + " |")
+    print("| --- " * (len(keys) + 1) + "|")
+    for replicas, runs in results.items():
+        print(f"| {replicas} | " + " | ".join(spread([r[k] for r in runs]) for k in keys) + " |")
+    if len(results) > 1 and all(results.values()):
+        low, high = min(results), max(results)
+        ratio = statistics.median(r["orchestrator_cpu_ms_per_rollout"] for r in results[high]) / statistics.median(
+            r["orchestrator_cpu_ms_per_rollout"] for r in results[low]
+        )
+        print(f"\norchestrator CPU per rollout at {high} replicas: {ratio:.2f}x that at {low}")
+
+
+if __name__ == "__main__":
+    main()
