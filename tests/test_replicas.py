@@ -166,6 +166,32 @@ def test_rollouts_go_to_the_least_loaded_up_replica_and_a_dead_ones_run_again_el
     asyncio.run(main())
 
 
+def test_the_heap_pick_is_the_linear_pick_under_any_sequence_of_changes():
+    """`LeastLoaded` (the replicas' pick at scale) agrees with `least_outstanding` after every change: requests
+    taken and finished, members down and up, with and without members excluded, across heap rebuilds."""
+    import random
+
+    from primerl.utils.pool import LeastLoaded, least_outstanding
+
+    rng = random.Random(0)
+    for members in (1, 3, 64):
+        load, checked = LeastLoaded(members), 0
+        for _ in range(5000):
+            index, roll = rng.randrange(members), rng.random()
+            if roll < 0.45:
+                load.change(index, +1)
+            elif roll < 0.85 and load.outstanding[index] > 0:
+                load.change(index, -1)
+            elif roll < 0.95:
+                load.set_taking(index, not load.taking[index])
+            exclude = set(rng.sample(range(members), rng.randrange(min(members, 3) + 1)))
+            for excluded in (frozenset(), exclude):
+                assert load.pick(excluded) == least_outstanding(load.outstanding, load.taking, excluded)
+                checked += 1
+            assert len(load._heap) <= 4 * members + 64 + 1
+        assert checked == 10000
+
+
 def test_the_idle_gauge_reads_one_up_replica_per_poll_in_turn():
     servers, replicas, _, _ = replica_set(3)
     replicas.mark_down(1, "test")

@@ -40,6 +40,7 @@ class Limits:
         self.cap, self.floor, self.step = cap, min(floor, cap), min(floor, cap)
         self.limits = [max(self.floor, cap // replicas)] * replicas
         self.preemptions: list[float | None] = [None] * replicas
+        self.changes = 0  # counts limit changes: KvAdmission caches the total on it
 
     def adjust(self, index: int, load: EngineLoad, outstanding: int) -> bool:
         """Apply one reading of replica `index`; whether its limit changed."""
@@ -53,6 +54,8 @@ class Limits:
         else:
             new = limit
         self.limits[index] = new
+        if new != limit:
+            self.changes += 1
         return new != limit
 
     def total(self, up: list[bool]) -> int:
@@ -67,9 +70,18 @@ class KvAdmission:
         self.limits = Limits(len(replicas), cap, floor)
         self.on_change: Callable[[], None] = lambda: None
         self._next = 0
+        self._total, self._total_key = 0, (-1, -1)
 
     def allows(self, inflight: int) -> bool:
-        return inflight <= self.limits.total(self.replicas.up)
+        return inflight <= self.total()
+
+    def total(self) -> int:
+        """The sum of the up replicas' limits, within the cap: summed again only after a limit or a replica's state
+        changed (a sum over every replica at each admission is O(replicas))."""
+        key = (self.limits.changes, self.replicas.load.taking_changes)
+        if key != self._total_key:
+            self._total, self._total_key = self.limits.total(self.replicas.up), key
+        return self._total
 
     async def run(self) -> None:
         while True:

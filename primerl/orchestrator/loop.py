@@ -197,7 +197,7 @@ class Orchestrator:
             M.BUFFERED: float(self.sink.buffered),
         }
         if self.admission is not None:
-            now_gauges[M.INFLIGHT_LIMIT] = float(self.admission.limits.total(self.admission.replicas.up))
+            now_gauges[M.INFLIGHT_LIMIT] = float(self.admission.total())
         stats = self.meter.row(cut, self._rollout_counts(), self.servers.load_s, now_gauges)
         tasks = self.dispatcher.tasks.settle(cut.tasks, self.dispatcher.inflight_tasks | self.sink.buffered_tasks)
         self.step += 1  # before the write's await: the dispatcher must never weigh admissions against a stale step

@@ -26,7 +26,7 @@ from primerl.envs.types import Rollout, RolloutFailure, RolloutRunner
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.utils.liveness import Liveness, Pulse
 from primerl.utils.log import get_logger
-from primerl.utils.pool import HEALTH_EVERY_S, LOST, least_outstanding, race
+from primerl.utils.pool import HEALTH_EVERY_S, LOST, LeastLoaded, race
 
 log = get_logger(__name__)
 SILENT_LIMIT_S = 15.0  # no health answer and no finished rollout for this long: down
@@ -37,8 +37,8 @@ class Replicas:
         if not clients:
             raise ValueError("need at least one inference replica")
         self.clients = list(clients)
-        self.up = [True] * len(clients)
-        self.outstanding = [0] * len(clients)
+        self.load = LeastLoaded(len(clients))  # the pick among up replicas, in O(log n)
+        self.up, self.outstanding = self.load.taking, self.load.outstanding  # read-only views: write through `load`
         self.rerouted = 0  # rollouts run again on another replica after theirs went down, cumulative
         self.down_event = asyncio.Event()  # set by mark_down: the watcher starts that replica's recovery
         self._went_down = [asyncio.Event() for _ in clients]  # per replica: set while it is down
@@ -60,17 +60,17 @@ class Replicas:
 
     def pick(self, exclude: set[int] = frozenset()) -> int | None:
         """The up replica with the fewest outstanding rollouts, not in `exclude`; None when there is none."""
-        return least_outstanding(self.outstanding, self.up, exclude)
+        return self.load.pick(exclude)
 
     def mark_down(self, index: int, why: str) -> None:
         if self.up[index]:
-            self.up[index] = False
+            self.load.set_taking(index, False)
             log.warning("inference replica %d (%s) is down: %s", index, self.clients[index].base_url, why)
             self._went_down[index].set()
             self.down_event.set()
 
     def mark_up(self, index: int) -> None:
-        self.up[index] = True
+        self.load.set_taking(index, True)
         self.pulses[index] = Pulse()
         self._went_down[index].clear()
 
@@ -133,11 +133,11 @@ class ReplicaRunner:
 
     async def _run_on(self, index: int, task: Any, seed: int | None) -> list[Rollout | RolloutFailure] | None:
         """The rollout's entries from replica `index`; None, the rollout cancelled, if the replica is marked down first."""
-        self.replicas.outstanding[index] += 1
+        self.replicas.load.change(index, +1)
         try:
             entries = await race(self.runners[index].run(task, seed), self.replicas.wait_down(index))
         finally:
-            self.replicas.outstanding[index] -= 1
+            self.replicas.load.change(index, -1)
         return None if entries is LOST else entries
 
 
