@@ -643,7 +643,7 @@ def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_
         start_side_by_side([server], 30)  # without a supervisor, the start fails
     marker.unlink()
     start_side_by_side([server], 30, supervised=True)
-    assert server.killed_by_signal()
+    assert server.killed_by_signal() and server.exit_reason() == "killed by SIGKILL (exit code -9)"
     stop, outcome = threading.Event(), []
 
     def each_poll():
@@ -672,6 +672,21 @@ def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_
     refusing = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "r.log", ["--fails-at-start"])
     with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
         start_side_by_side([refusing], 30, supervised=True)
+
+
+def test_the_engine_error_quoted_is_an_error_line_not_a_warning_that_quotes_one():
+    from primerl.inference.server import engine_error
+
+    log = [
+        "(EngineCore pid=7) ERROR 12-06 15:41:20 [core.py:1] EngineCore failed",
+        "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2",
+        "(APIServer pid=1158) WARNING 12-06 15:41:13 [system_utils.py:255] Found ulimit of 20000 and failed to "
+        "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like "
+        "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
+        "nanobind: leaked 4 instances!",
+    ]
+    assert engine_error("\n".join(log)) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2"
+    assert engine_error("\n".join(log[2:])) is None
 
 
 def _supervise(server, outcome: list) -> None:

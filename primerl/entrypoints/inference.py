@@ -37,6 +37,7 @@ from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
 
 log = get_logger("inference")
 MAX_RESTARTS = 3
+FIRST_SERVED_POLL_S = 0.2
 
 
 def keep_serving(servers: list[VllmServer], startup_timeout_s: float, each_poll: Callable[[], None]) -> None:
@@ -62,7 +63,9 @@ def keep_serving(servers: list[VllmServer], startup_timeout_s: float, each_poll:
             )
             restart(server, budget, startup_timeout_s)
             served[index] = False
-        time.sleep(HEALTH_EVERY_S)
+        # until each has served, poll often: a server killed between its first finished request and the next poll
+        # would be counted as one that never served (a kill right after a first batch, under load, did that)
+        time.sleep(HEALTH_EVERY_S if all(served) else FIRST_SERVED_POLL_S)
 
 
 def restart(server: VllmServer, budget: RestartBudget, startup_timeout_s: float) -> None:

@@ -163,9 +163,3 @@ async def stop_worker(worker: Worker, reason: str) -> None:
     await asyncio.sleep(0)  # its rollouts see `gone` and cancel their requests before the socket goes
     with contextlib.suppress(Exception):
         await asyncio.wait_for(worker.client.close(), 5)
-
-
-def exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"

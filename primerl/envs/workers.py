@@ -34,7 +34,6 @@ from primerl.envs.types import Rollout, RolloutFailure
 from primerl.envs.verifiers_env import seeded
 from primerl.envs.worker_process import (
     Worker,
-    exit_reason,
     first_health_answer,
     health_check,
     start_worker,
@@ -44,6 +43,7 @@ from primerl.utils.errors import RunError
 from primerl.utils.liveness import Liveness
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, LOST, RestartBudget, least_outstanding, race
+from primerl.utils.process import exit_reason
 from primerl.utils.wait import WaitTimeout, wait_until_async
 
 log = get_logger(__name__)

@@ -23,7 +23,7 @@ from primerl.inference.vllm_args import ServerSpec
 from primerl.transport.identity import CHALLENGE_HEADER, SERVER_ID_ENV, new_challenge, proves, served_by
 from primerl.transport.verified import verified_sync_transport
 from primerl.utils.parent_death import dies_with_parent
-from primerl.utils.process import NESTED_GRACE_S, port_taken, stop_process_groups
+from primerl.utils.process import NESTED_GRACE_S, exit_reason, port_taken, stop_process_groups
 from primerl.utils.wait import WaitTimeout, wait_until
 
 
@@ -34,6 +34,9 @@ class InferenceStartError(RuntimeError):
 _SUCCESSES = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 # an exception's last line, as Python prints it ("RuntimeError: ..."), wherever a log prefix puts it
 _ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
+# a vLLM log record below ERROR ("(APIServer pid=1) WARNING 12-06 15:41:13 [x.py:1] ..."): it may quote an error
+# ("fd limit errors like `OSError: [Errno 24] Too many open files`") without being one
+_NOT_AN_ERROR = re.compile(r"\b(?:WARNING|INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d\b")
 
 
 def engine_error(log_text: str) -> str | None:
@@ -41,7 +44,7 @@ def engine_error(log_text: str) -> str | None:
     reports that follow a dying process (nanobind's leak lists, warnings); None when there is none."""
     for line in reversed(log_text.splitlines()):
         found = _ERROR_LINE.search(line)
-        if found and not line.lstrip().startswith(("nanobind", "-")):
+        if found and not line.lstrip().startswith(("nanobind", "-")) and not _NOT_AN_ERROR.search(line):
             return f"{found.group(1)}: {found.group(2).strip()}"[:400]
     return None
 
@@ -87,8 +90,11 @@ class VllmServer:
         return answer.status_code == 200 and sum(float(v) for v in _SUCCESSES.findall(answer.text)) > 0
 
     def exit_reason(self) -> str:
-        """Why the server's process ended, for one line: the engine's own error, else its exit code."""
+        """Why the server's process ended, for one line: the signal that killed it; else the engine's own error, else
+        its exit code. (The log holds every start of the server: an error line in it may be an earlier start's.)"""
         code = self.process.returncode if self.process is not None else None
+        if code is not None and code < 0:
+            return exit_reason(code) + f" (exit code {code})"
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         found = engine_error(text)
         return f"{found} (exit code {code})" if found else f"exit code {code}, no error in {self.log_path}"

@@ -26,6 +26,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exit_reason(code: int | None) -> str:
+    """A process's end in words: the signal that killed it (a negative exit code), or its exit code."""
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     """A port that is free now, with the `count - 1` ports after it free too (replicas on consecutive ports)."""
     while True:
