@@ -2,7 +2,7 @@
 (benchmarks/standin_server.py, all in one process on their own core) with a stand-in trainer publishing a version
 per batch (benchmarks/capacity.py `drive`), for each R given.
 
-    python -m benchmarks.control_plane [--replicas 4 64 256 1024] [--steps 8] [--batch 256] [--rounds 1]
+    python -m benchmarks.control_plane [--replicas 4 64 256 1024] [--steps 8] [--batch 256] [--workers 1] [--rounds 1]
 
 Per R: rollouts/s; the orchestrator's CPU ms per rollout (its own process, pinned to core 0); the time the
 replicas were paused for weight loads per batch (the fan-out of pause, load and resume to every replica, median);
@@ -29,7 +29,7 @@ def one_run(root: Path, args: argparse.Namespace, replicas: int) -> dict[str, fl
     port, stats = free_port(count=replicas), run / "standin.json"
     servers = start_standins(run, port, replicas, 1, "--tokens", str(args.tokens), "--stats", str(stats))
     try:
-        overrides = orchestrator_overrides(run, port, replicas, args.steps, args.batch, 0)
+        overrides = orchestrator_overrides(run, port, replicas, args.steps, args.batch, args.workers)
         driven = drive(run, overrides, args.steps, 0, timeout_s=args.timeout_s)
         time.sleep(1.5)  # the stand-ins write their counts each second
         requests = json.loads(stats.read_text())["requests"]
@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256, help="rollouts per batch (orchestrator.batch_size)")
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens per rollout")
+    parser.add_argument("--workers", type=int, default=1, help="env.workers (the orchestrator's own cost: 1)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()
