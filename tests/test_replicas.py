@@ -192,6 +192,22 @@ def test_the_heap_pick_is_the_linear_pick_under_any_sequence_of_changes():
         assert checked == 10000
 
 
+def test_free_ports_are_picked_below_the_kernels_ephemeral_range():
+    """Ports the kernel hands to outgoing connections and port-0 binds (another process's, vLLM's internal sockets)
+    are never picked for a server that binds later; each pick's consecutive ports are free."""
+    from primerl.utils.process import EPHEMERAL_RANGE, _bindable, _unassigned_range, free_port
+
+    low, high = _unassigned_range()
+    if EPHEMERAL_RANGE.exists():
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+        assert (low, high) == ((10000, ephemeral_low - 1) if ephemeral_low > 10001 else (0, 0))
+    for _ in range(20):
+        first = free_port(count=4)
+        assert all(_bindable("127.0.0.1", first + i) for i in range(4))
+        if low:
+            assert low <= first and first + 3 <= high
+
+
 def test_the_idle_gauge_reads_one_up_replica_per_poll_in_turn():
     servers, replicas, _, _ = replica_set(3)
     replicas.mark_down(1, "test")

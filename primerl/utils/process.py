@@ -2,10 +2,12 @@
 
 import ipaddress
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 STOP_GRACE_S = 20.0
 """How long the driver waits after SIGTERM before it SIGKILLs its children's process groups."""
@@ -33,14 +35,37 @@ def exit_reason(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 10000
+
+
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
-    """A port that is free now, with the `count - 1` ports after it free too (replicas on consecutive ports)."""
-    while True:
+    """A port that is free now, with the `count - 1` ports after it free too (replicas on consecutive ports). Picked
+    below the kernel's ephemeral range where it is known: a port from that range can be handed to any process's
+    outgoing connection or port-0 bind (vLLM's internal sockets, another test's pick) before our server binds it,
+    which once made a run refuse its own prefill/decode port as taken."""
+    low, high = _unassigned_range()
+    rng = random.Random()
+    for _ in range(200 if high - low >= count else 0):
+        first = rng.randint(low, high - count + 1)
+        if all(_bindable(host, first + i) for i in range(count)):
+            return first
+    while True:  # the ephemeral range unknown, or nothing free below it: the kernel's pick
         with socket.socket() as s:
             s.bind((host, 0))
             first = s.getsockname()[1]
         if first + count - 1 <= 65535 and all(_bindable(host, first + i) for i in range(1, count)):
             return first
+
+
+def _unassigned_range() -> tuple[int, int]:
+    """Ports the kernel never assigns on its own: from LOWEST_PICKED_PORT to below its ephemeral range; (0, 0) when
+    that range is unknown or leaves no room."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return (LOWEST_PICKED_PORT, ephemeral_low - 1) if ephemeral_low - 1 > LOWEST_PICKED_PORT else (0, 0)
 
 
 def _bindable(host: str, port: int, reuse_address: bool = False) -> bool:
