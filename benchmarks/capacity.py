@@ -170,19 +170,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens per rollout")
     parser.add_argument("--env", default="reverse_text", help="the env group (guess_number: multi-turn)")
     args = parser.parse_args()
-    results: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
-    with tempfile.TemporaryDirectory(prefix="capacity-") as root:
-        for round_ in range(args.rounds):
-            for workers in args.workers:
-                figures = one_run(Path(root), args, workers)
-                results[workers].append(figures)
+    alternate(lambda root, workers: one_run(root, args, workers), args.workers, args.rounds, "env.workers", "capacity-")
+
+
+def alternate(one, settings: list[int], rounds: int, name: str, prefix: str) -> dict[int, list[dict[str, float]]]:
+    """`one(root, setting)` for each setting, `rounds` times in turn (settings alternate, so a machine's drift falls
+    on all of them); prints each run, then a table of medians and ranges, and returns the figures per setting."""
+    results: dict[int, list[dict[str, float]]] = {setting: [] for setting in settings}
+    with tempfile.TemporaryDirectory(prefix=prefix) as root:
+        for round_ in range(rounds):
+            for setting in settings:
+                figures = one(Path(root), setting)
+                results[setting].append(figures)
                 shown = ", ".join(f"{k} {v:.3g}" for k, v in figures.items())
-                print(f"round {round_} env.workers={workers}: {shown}", flush=True)
+                print(f"round {round_} {name}={setting}: {shown}", flush=True)
     keys = list(next(iter(results.values()))[0])
-    print("\n| env.workers | " + " | ".join(keys) + " |")
+    print(f"\n| {name} | " + " | ".join(keys) + " |")
     print("| --- " * (len(keys) + 1) + "|")
-    for workers, runs in results.items():
-        print(f"| {workers} | " + " | ".join(spread([r[k] for r in runs]) for k in keys) + " |")
+    for setting, runs in results.items():
+        print(f"| {setting} | " + " | ".join(spread([r[k] for r in runs]) for k in keys) + " |")
+    return results
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.capacity import drive, measure, orchestrator_overrides, spread, start_standins
+from benchmarks.capacity import alternate, drive, measure, orchestrator_overrides, start_standins
 from primerl.utils.process import free_port
 
 ROUTES = {"/health": "health", "/metrics": "metrics", "/collective_rpc": "rpc", "/pause": "pause"}
@@ -54,19 +54,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()
-    results: dict[int, list[dict[str, float]]] = {r: [] for r in args.replicas}
-    with tempfile.TemporaryDirectory(prefix="control-plane-") as root:
-        for round_ in range(args.rounds):
-            for replicas in args.replicas:
-                figures = one_run(Path(root), args, replicas)
-                results[replicas].append(figures)
-                shown = ", ".join(f"{k} {v:.3g}" for k, v in figures.items())
-                print(f"round {round_} replicas={replicas}: {shown}", flush=True)
-    keys = list(next(iter(results.values()))[0])
-    print("\n| replicas | " + " | ".join(keys) + " |")
-    print("| --- " * (len(keys) + 1) + "|")
-    for replicas, runs in results.items():
-        print(f"| {replicas} | " + " | ".join(spread([r[k] for r in runs]) for k in keys) + " |")
+    results = alternate(
+        lambda root, replicas: one_run(root, args, replicas), args.replicas, args.rounds, "replicas", "control-plane-"
+    )
     if len(results) > 1 and all(results.values()):
         low, high = min(results), max(results)
         ratio = statistics.median(r["orchestrator_cpu_ms_per_rollout"] for r in results[high]) / statistics.median(
