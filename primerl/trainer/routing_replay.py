@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl.trainer.expert_parallel import moe_blocks
+
 ROUTES_FIELD = "routed_experts"
 
 
@@ -57,12 +59,12 @@ class ReplayRouter(nn.Module):
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The top-k router of every MoE block, in model order."""
-    return [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    return [block.gate for block in moe_blocks(model)]
 
 
 def install_routing_replay(model: nn.Module) -> int:
     """Put a `ReplayRouter` in place of every MoE block's router (before sharding); returns how many."""
-    blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    blocks = moe_blocks(model)
     if not blocks:
         raise ValueError("trainer.moe.routing_replay needs a MoE model; this one has no experts")
     for block in blocks:
@@ -74,15 +76,15 @@ def install_routing_replay(model: nn.Module) -> int:
 @contextmanager
 def replaying(model: nn.Module, routes: torch.Tensor | None):
     """During the block: every `ReplayRouter` of `model` routes the tokens of this forward by `routes` ([rows,
-    seq_len, layers, k]; None: by its own choice)."""
+    seq_len, layers, k]; None: by its own choice, and nothing to do: routes are cleared after every forward)."""
+    if routes is None:
+        yield
+        return
     routers = [r for r in moe_routers(model) if isinstance(r, ReplayRouter)]
-    if routes is not None:
-        if routes.dim() != 4 or routes.shape[2] != len(routers):
-            raise ValueError(
-                f"routed experts of shape {tuple(routes.shape)}: expected [rows, seq_len, {len(routers)}, k]"
-            )
-        for layer, router in enumerate(routers):
-            router.routes = routes[:, :, layer].reshape(-1, routes.shape[-1])
+    if routes.dim() != 4 or routes.shape[2] != len(routers):
+        raise ValueError(f"routed experts of shape {tuple(routes.shape)}: expected [rows, seq_len, {len(routers)}, k]")
+    for layer, router in enumerate(routers):
+        router.routes = routes[:, :, layer].reshape(-1, routes.shape[-1])
     try:
         yield
     finally:
