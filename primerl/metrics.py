@@ -43,6 +43,7 @@ class OrchestratorMetric:
     GENERATE_S = "time/generate_s"  # wall time since the previous cut
     WAIT_POLICY_S = "time/wait_policy_s"  # of which the cut waited for a newer policy (async_level)
     WEIGHT_LOAD_S = "time/weight_load_s"  # of which the inference server was paused for weight loads
+    WEIGHT_FANOUT_S = "time/weight_fanout_s"  # from a new version's first load request to every replica serving it
     WRITE_BATCH_S = "time/write_batch_s"  # packing and writing the trainer's batch file (row only, not in the file)
     TOKENS_PER_S = "throughput/completion_tokens_per_s"  # the batch's sampled tokens / GENERATE_S
     SEQ_LEN_MEAN = "seq_len/mean"

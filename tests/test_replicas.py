@@ -12,6 +12,7 @@ import time
 import pytest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
+from primerl.orchestrator import fanout
 from primerl.orchestrator.inference_client import Loaded, NotProven
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
@@ -46,6 +47,7 @@ class FakeServer:
         self.groups: list[str] = []  # the groups its collective loads were received in
         self.metrics_reads = 0
         self.paused = False  # a load that was not proven leaves the server paused until one is
+        self.loading: asyncio.Future | None = None  # the load its workers are running
 
     async def health(self) -> bool | None:
         return None if self.hung else await self.healthy()
@@ -65,21 +67,33 @@ class FakeServer:
         raise RunError(f"{self.base_url} not healthy after {timeout_s}s")
 
     async def policy_version(self) -> int:
+        if self.loading is not None:  # the workers answer calls in turn: after the load in progress
+            await asyncio.wait([self.loading])
         return self.served
 
     async def load_weights(self, path, version: int, group: str = "") -> Loaded:
         if not await self.healthy():
             raise RuntimeError("connection refused")
+        self.paused = True
+        # the server's own work goes on when the caller gives up on it (vLLM does not cancel a dropped request)
+        self.loading = asyncio.ensure_future(self._load(path, version, group))
+        await asyncio.shield(self.loading)
+        self.paused = False  # resumed: the load was proven
+        return Loaded(0.01, fingerprint_of_version(version))
+
+    async def _load(self, path, version: int, group: str) -> None:
         await asyncio.sleep(self.load_s)
         self.loads.append(version)
         if is_offer(path):
             assert group, "an offer is received in a group"
             self.groups.append(group)
         if self.keeps_old_weights:  # its workers find another fingerprint than the trainer's: paused, unproven
-            self.served, self.paused = UNPROVEN, True
+            self.served = UNPROVEN
             raise NotProven(f"{self.base_url} serves fingerprint {fingerprint_of_version(0)} after loading v{version}")
-        self.served, self.paused = version, False
-        return Loaded(0.01, fingerprint_of_version(version))
+        self.served = version
+
+    async def resume(self) -> None:
+        self.paused = False
 
     async def running_requests(self) -> float | None:
         self.metrics_reads += 1
@@ -617,6 +631,31 @@ def test_collective_offers_are_answered_and_a_replica_back_from_a_restart_joins_
         servers[1].served, servers[1].process, servers[1].up = 0, 3, True
         with pytest.raises(RunError, match="every inference replica lost policy v4, which went by collective"):
             await asyncio.wait_for(task, 5.0)
+
+    asyncio.run(main())
+
+
+def test_a_replica_slow_to_load_is_taken_out_and_the_others_serve_the_version_without_it(tmp_path, monkeypatch):
+    """One replica's load runs far longer than the others': the version advances on the others (every replica up
+    serves it), the slow one is out of routing meanwhile, and once its server finished the load on its own its
+    recovery resumes it (a load cut on the orchestrator's side leaves the server paused) and takes it back."""
+    monkeypatch.setattr(fanout, "STRAGGLER_MIN_S", 0.3)
+    monkeypatch.setattr(fanout, "CHECK_EVERY_S", 0.02)
+    servers, replicas, _, _ = replica_set(4)
+    servers[3].load_s = 1.5
+    policy = Policy()
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        started = time.monotonic()
+        publish(tmp_path, 1)
+        await until(lambda: policy.version == 1)
+        assert time.monotonic() - started < 1.0 and replicas.up == [True, True, True, False]
+        assert [server.served for server in servers[:3]] == [1, 1, 1] and servers[3].paused
+        await until(lambda: replicas.up == [True] * 4)
+        assert servers[3].served == 1 and not servers[3].paused and servers[3].loads == [1]
+        task.cancel()
 
     asyncio.run(main())
 

@@ -37,8 +37,9 @@ KEEPALIVE_S = 2.0
 
 
 @contextmanager
-def httpx_errors(request: httpx.Request) -> Iterator[None]:
-    """Re-raise aiohttp/socket failures as the httpx exceptions the OpenAI SDK classifies."""
+def httpx_errors(request: httpx.Request | None) -> Iterator[None]:
+    """Re-raise aiohttp/socket failures as the httpx exceptions the OpenAI SDK (and the orchestrator's admin calls,
+    `request` None) classify."""
     try:
         yield
     except TimeoutError as err:  # aiohttp's timeout errors subclass it

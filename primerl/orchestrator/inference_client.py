@@ -1,6 +1,9 @@
 """The orchestrator's side of an inference server: health, the policy it serves, in-flight weight updates, load.
 
-All calls are async (httpx) and carry the server's key. A weight update does not drain the server:
+All calls are async and carry the server's key. They go over aiohttp with connections kept alive, as rollouts do
+(primerl.envs.http_transport), and fail with httpx's exceptions, which the callers classify: a /health probe cost the
+orchestrator 1.2 ms of CPU over httpx with a new connection per call, 0.10 ms so (benchmarks/control_plane.py runs
+1,024 replicas). A weight update does not drain the server:
 
     POST /pause?mode=keep&clear_cache=false
                             the engine stops scheduling; running and queued requests freeze where they are, KV kept
@@ -22,17 +25,21 @@ versions). A request that arrives after the pause never touches KV from older we
 middleware (primerl.inference.cache_salt) salts every request with the number of pauses so far.
 """
 
+import asyncio
 import json
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import httpx
 
+from primerl.envs.http_transport import KEEPALIVE_S, httpx_errors
 from primerl.transport.identity import served_by
-from primerl.transport.verified import verified_transport
+from primerl.transport.verified import VerifiedConnector
 from primerl.transport.weights import SERVED_MODEL_NAME, UNPROVEN, is_adapter, load_deadline_s
 from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until_async
@@ -72,13 +79,11 @@ class InferenceClient:
         self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0, server_id: str | None = None
     ):
         self.base_url, self.server_id, self.timeout_s = base_url, server_id, timeout_s
+        self.api_key = api_key
         self._foreign_seen = False
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # No keep-alive: vLLM closes the connection after a 500 (a refused weight load), and the next call (/resume)
-        # would be written into the closed socket. Admin calls are few; a loopback connect costs ~0.1 ms.
-        # every connection proves the run's server is at its other end before the key goes over it
-        transport = verified_transport(api_key, limits=httpx.Limits(max_keepalive_connections=0))
-        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -87,29 +92,61 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session, opened on first use on the loop that uses it. Idle connections live KEEPALIVE_S, well under
+        vLLM's 5 s, so a request never goes out on a connection the server is closing; a response that closes its
+        connection (vLLM's after a 500) is not reused. Every new connection proves the run's server is at its other
+        end before the key goes over it (primerl.transport.verified)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            connector = VerifiedConnector(self.api_key, limit=0, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            self._session_loop = loop
+        return self._session
+
+    async def _call(
+        self, method: str, path: str, timeout_s: float | None = None, **kwargs: Any
+    ) -> tuple[int, bytes, Any]:
+        """(status, body, headers) of one request; an httpx exception when it got no answer (a timeout is
+        httpx.TimeoutException)."""
+        seconds = timeout_s or self.timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+        with httpx_errors(None):
+            async with self._http().request(method, self.base_url + path, timeout=timeout, **kwargs) as answer:
+                return answer.status, await answer.read(), answer.headers
+
+    async def _post_ok(self, path: str, **kwargs: Any) -> None:
+        status, body, _ = await self._call("POST", path, **kwargs)
+        if status != 200:
+            raise RuntimeError(
+                f"POST {path} failed on {self.base_url} ({status}): {body[:500].decode(errors='replace')}"
+            )
 
     def move_to(self, base_url: str) -> None:
-        """Talk to the server at `base_url` from now on (its job was requeued elsewhere). No connection is kept alive,
-        so nothing of the old address is reused."""
-        self.base_url = self.http.base_url = base_url
+        """Talk to the server at `base_url` from now on (its job was requeued elsewhere). Connections are kept per
+        address, so none of the old address is reused."""
+        self.base_url = base_url
 
     async def health(self) -> bool | None:
         """True: /health answered 200. False: the server refused (no listener, an error status, a broken answer): it is
         down. None: no answer within 5 s, which a loaded server may give and a hung one gives; the caller weighs it
         (primerl.utils.liveness)."""
         try:
-            answer = await self.http.get("/health", timeout=5.0)
+            status, _, headers = await self._call("GET", "/health", timeout_s=5.0)
         except httpx.TimeoutException:
             return None
         except httpx.HTTPError:
             return False
-        if answer.status_code == 200 and not served_by(answer.headers, self.server_id):
+        if status == 200 and not served_by(headers, self.server_id):
             if not self._foreign_seen:  # another run's server on our address: as good as none
                 log.warning("%s answers as another run's server, not this run's: it is not used", self.base_url)
                 self._foreign_seen = True
             return False
-        return answer.status_code == 200
+        return status == 200
 
     async def healthy(self) -> bool:
         return await self.health() is True
@@ -128,10 +165,12 @@ class InferenceClient:
 
     async def _rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list[str]:
         body = {"method": method, "args": list(args)}
-        r = await self.http.post("/collective_rpc", json=body, timeout=timeout_s or self.timeout_s)
-        if r.status_code != 200:
-            raise RuntimeError(f"{method} failed on {self.base_url} ({r.status_code}): {r.text[:500]}")
-        return [str(x) for x in r.json()["results"]]
+        status, answer, _ = await self._call("POST", "/collective_rpc", timeout_s=timeout_s, json=body)
+        if status != 200:
+            raise RuntimeError(
+                f"{method} failed on {self.base_url} ({status}): {answer[:500].decode(errors='replace')}"
+            )
+        return [str(x) for x in json.loads(answer)["results"]]
 
     async def policy_version(self) -> int:
         versions = {int(v) for v in await self._rpc("primerl_get_policy_version")}
@@ -151,7 +190,7 @@ class InferenceClient:
         left paused."""
         started = time.perf_counter()
         # clear_cache=false: vLLM's default would preempt every running request and recompute its KV after resume
-        (await self.http.post("/pause", params={"mode": "keep", "clear_cache": "false"})).raise_for_status()
+        await self._post_ok("/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
             if is_adapter(path):
                 await self._load_adapter(path)
@@ -162,7 +201,7 @@ class InferenceClient:
             # a load refused before it touched a weight (a path outside the run, a bad version) leaves every worker
             # on its proven version: that one is served again; one that failed midway left them unproven: paused
             if await self._serves_a_proven_version():
-                (await self.http.post("/resume")).raise_for_status()
+                await self._post_ok("/resume")
             raise
         wrong = [answer for answer in answers if answer["version"] != version]
         if wrong:
@@ -170,8 +209,12 @@ class InferenceClient:
                 f"{self.base_url} serves fingerprint {wrong[0]['fingerprint']} after loading v{version}, not the "
                 f"trainer's {wrong[0]['expected'] or '(none written within the transfer timeout)'}: kept paused"
             )
-        (await self.http.post("/resume")).raise_for_status()
+        await self._post_ok("/resume")
         return Loaded(time.perf_counter() - started, answers[0]["fingerprint"])
+
+    async def resume(self) -> None:
+        """Resume a server whose workers proved the version it should serve (a no-op on one not paused)."""
+        await self._post_ok("/resume")
 
     async def _serves_a_proven_version(self) -> bool:
         try:
@@ -181,10 +224,10 @@ class InferenceClient:
 
     async def _load_adapter(self, path: str | Path) -> None:
         body = {"lora_name": SERVED_MODEL_NAME, "lora_path": str(path), "load_inplace": True}
-        r = await self.http.post("/v1/load_lora_adapter", json=body)
-        if r.status_code != 200:
+        status, answer, _ = await self._call("POST", "/v1/load_lora_adapter", json=body)
+        if status != 200:
             raise RuntimeError(
-                f"loading the adapter {path} failed on {self.base_url} ({r.status_code}): {r.text[:500]}"
+                f"loading the adapter {path} failed on {self.base_url} ({status}): {answer[:500].decode(errors='replace')}"
             )
 
     async def running_requests(self) -> float | None:
@@ -196,12 +239,13 @@ class InferenceClient:
         """Running and waiting requests, KV cache usage and preemptions from vLLM's /metrics (None when unreadable;
         a metric the server does not export reads 0)."""
         try:
-            r = await self.http.get("/metrics", timeout=5.0)
+            status, body, _ = await self._call("GET", "/metrics", timeout_s=5.0)
         except httpx.HTTPError:
             return None
-        if r.status_code != 200:
+        if status != 200:
             return None
-        values = {name: [float(v) for v in pattern.findall(r.text)] for name, pattern in _GAUGES.items()}
+        text = body.decode(errors="replace")
+        values = {name: [float(v) for v in pattern.findall(text)] for name, pattern in _GAUGES.items()}
         if not values["num_requests_running"]:
             return None
         return EngineLoad(

@@ -198,7 +198,7 @@ class Orchestrator:
         }
         if self.admission is not None:
             now_gauges[M.INFLIGHT_LIMIT] = float(self.admission.total())
-        stats = self.meter.row(cut, self._rollout_counts(), self.servers.load_s, now_gauges)
+        stats = self.meter.row(cut, self._rollout_counts(), (self.servers.load_s, self.servers.fanout_s), now_gauges)
         tasks = self.dispatcher.tasks.settle(cut.tasks, self.dispatcher.inflight_tasks | self.sink.buffered_tasks)
         self.step += 1  # before the write's await: the dispatcher must never weigh admissions against a stale step
         with writing(f"batch of step {cut.step}", "the trainer never sees a partial batch"):

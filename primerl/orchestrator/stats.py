@@ -66,19 +66,20 @@ class CutMeter:
         self.blocked_since: float | None = None
         self._counts = (0, 0, 0)  # rollouts ok, failed, cancelled at the previous cut
         self._last_cut = time.perf_counter()
-        self._load_s = 0.0
+        self._loads = (0.0, 0.0)  # load_s, fanout_s at the previous cut
         self._rerouted = 0
 
     def row(
-        self, cut: Cut, counts: tuple[int, int, int], load_s: float, now_gauges: dict[str, float]
+        self, cut: Cut, counts: tuple[int, int, int], loads: tuple[float, float], now_gauges: dict[str, float]
     ) -> dict[str, float]:
-        """The cut's metrics row. `counts`: rollouts ok, failed, cancelled so far; `load_s`: seconds spent loading
-        weights so far; `now_gauges`: values read at the cut (policy version, in flight, buffered)."""
+        """The cut's metrics row. `counts`: rollouts ok, failed, cancelled so far; `loads`: seconds paused for weight
+        loads and seconds of their fan-outs so far; `now_gauges`: values read at the cut (policy version, in flight,
+        buffered)."""
         now = time.perf_counter()
         (ok, failed, cancelled), (ok0, failed0, cancelled0), self._counts = counts, self._counts, counts
         batch_s, self._last_cut = now - self._last_cut, now
         waited, self.blocked_since = (now - self.blocked_since if self.blocked_since else 0.0), None
-        loaded, self._load_s = load_s - self._load_s, load_s
+        (loaded, fanned), self._loads = (loads[0] - self._loads[0], loads[1] - self._loads[1]), loads
         lag_max, lag_mean = self.loop_lag.take()
         stats = batch_stats(cut, self.env_names) | now_gauges
         stats |= {
@@ -90,6 +91,7 @@ class CutMeter:
             M.GENERATE_S: batch_s,
             M.WAIT_POLICY_S: waited,
             M.WEIGHT_LOAD_S: loaded,
+            M.WEIGHT_FANOUT_S: fanned,
             M.TOKENS_PER_S: sum(sum(s.sampled_mask) for s in cut.samples) / max(batch_s, 1e-9),
         }
         return stats | self._since_cut()

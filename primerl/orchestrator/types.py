@@ -59,7 +59,11 @@ class Servers(Protocol):
 
     @property
     def load_s(self) -> float:
-        """Seconds spent loading weights so far."""
+        """Seconds the replicas were paused for weight loads so far (the slowest replica's, per load)."""
+
+    @property
+    def fanout_s(self) -> float:
+        """Seconds from each new version's first load request to every replica serving it, so far."""
 
     def check_health(self) -> None:
         """A whole group failed: look at the servers now rather than at the next health check."""
@@ -68,7 +72,7 @@ class Servers(Protocol):
 class AlwaysServing:
     """`Servers` for a cut loop without a watcher (tests, benchmarks): always up, never loading."""
 
-    serving, recoveries, load_s = True, 0, 0.0
+    serving, recoveries, load_s, fanout_s = True, 0, 0.0, 0.0
 
     def check_health(self) -> None:
         pass

@@ -5,10 +5,10 @@ replica that is up, concurrently and in flight (pause with requests kept, load, 
 primerl.orchestrator.inference_client), then advances `Policy` and calls `on_change` (the orchestrator re-checks its
 batch cut and wakes the dispatcher). Versions in between are skipped: a server only ever needs the newest.
 
-Health (primerl.orchestrator.replicas): every HEALTH_EVERY_S, after a group whose every rollout failed
-(`check_health()`), and after a failed load, each up replica is probed; one that refuses (nothing listens, an error
-status), or has shown no sign of life for the replicas' liveness limit, is marked down and gets new rollouts no
-more. A replica marked down (here, or by the runner) is brought back in the background (primerl.orchestrator.recovery).
+Health (primerl.orchestrator.health): each up replica that showed no other sign of life is probed about once per
+HEALTH_EVERY_S, a slice of them per tick; every up replica after a group whose every rollout failed
+(`check_health()`) and after a failed load. One that refuses (nothing listens, an error status), or has shown no sign
+of life for the replicas' liveness limit, is marked down and gets new rollouts no more. A replica marked down (here, or by the runner) is brought back in the background (primerl.orchestrator.recovery).
 While no replica is up, admission stops (`serving` false). Invariant: every replica marked up serves
 `Policy.version`. Rollouts that failed meanwhile are counted failures; no step is skipped.
 
@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 
 from primerl.orchestrator.arrival import Arrival
+from primerl.orchestrator.fanout import FILE_LOADS_AT_ONCE, Straggler, fan_out
+from primerl.orchestrator.health import Health
 from primerl.orchestrator.inference_client import NotProven
 from primerl.orchestrator.recovery import Recovery
 from primerl.orchestrator.replicas import Replicas
@@ -42,7 +44,6 @@ from primerl.transport.weights import (
 )
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
-from primerl.utils.pool import HEALTH_EVERY_S
 
 log = get_logger(__name__)
 MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they refuse end the run
@@ -65,6 +66,7 @@ class Watcher:
         self.poll_s, self.on_change = poll_s, on_change
         self.before_load = before_load  # awaited with the served version before a newer one is loaded (online evals)
         self.load_s = 0.0  # seconds the slowest replica spent loading weights, summed over loads
+        self.fanout_s = 0.0  # seconds from a version's first load request to every replica serving it, summed
         self.loads = 0
         self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s
         self.arrival = Arrival(run_dir, replicas.clients, transfer_timeout_s)
@@ -75,7 +77,7 @@ class Watcher:
             run_dir, replicas, policy, self.arrival, recovery_timeout_s, addresses, self._suspect.set, back
         )
         self._load_failures = 0
-        self._last_probe = time.monotonic()
+        self.health = Health(replicas)
 
     @property
     def mismatches(self) -> int:
@@ -97,15 +99,15 @@ class Watcher:
         self._suspect.set()
 
     async def run(self) -> None:
-        last_health = time.monotonic()
         try:
             while True:
                 self.recovery.raise_failed()
                 try:
-                    if self._suspect.is_set() or time.monotonic() - last_health > HEALTH_EVERY_S:
+                    if self._suspect.is_set():
                         self._suspect.clear()
-                        last_health = time.monotonic()
                         await self.probe()
+                    else:
+                        await self.probe(self.health.due())
                     await self._to_the_end(self.update())
                 except (httpx.HTTPError, RuntimeError) as err:
                     self._load_failures += 1
@@ -136,22 +138,9 @@ class Watcher:
             await asyncio.wait([task], timeout=2 * self.transfer_timeout_s + 30)
             raise
 
-    async def probe(self) -> None:
-        """Mark down every up replica that refuses /health or has been silent past the liveness limit."""
-        replicas = self.replicas
-        up = [i for i in range(len(replicas)) if replicas.up[i]]
-        answers = await asyncio.gather(*(replicas.clients[i].health() for i in up))
-        now = time.monotonic()
-        elapsed, self._last_probe = now - self._last_probe, now
-        for index, answer in zip(up, answers, strict=True):
-            pulse = replicas.pulses[index]
-            if answer:
-                pulse.answered()
-            elif answer is False:
-                replicas.mark_down(index, "/health refused")
-            elif replicas.liveness.observe(pulse, elapsed):
-                limit = replicas.liveness.limit(pulse)
-                replicas.mark_down(index, f"no /health answer and no rollout finished in {limit:.0f}s")
+    async def probe(self, indices: list[int] | None = None) -> None:
+        """Health-check `indices` (None: every up replica), then start the recovery of any marked down."""
+        await self.health.probe(indices)
         self.recovery.start()
 
     async def update(self) -> None:
@@ -178,12 +167,17 @@ class Watcher:
         groups = await self.arrival.answer(version, targets, self._fail) if is_offer(path) else {}
         if is_offer(path):
             targets = [i for i in targets if i in groups]
-        results = await asyncio.gather(
-            *(self.replicas.clients[i].load_weights(path, version, groups.get(i, "")) for i in targets),
-            return_exceptions=True,
+        started = time.monotonic()
+        results = await fan_out(
+            targets,
+            lambda i: self.replicas.clients[i].load_weights(path, version, groups.get(i, "")),
+            None if groups else FILE_LOADS_AT_ONCE,
         )
         loaded = []
-        for index, result in zip(targets, results, strict=True):
+        for index, result in results.items():
+            if isinstance(result, Straggler):
+                self._fail(index, f"v{version} {result}")
+                continue
             if isinstance(result, NotProven):
                 result = await self.arrival.prove_again(index, version, result, not groups, self._fail)
             elif isinstance(result, BaseException):
@@ -198,22 +192,24 @@ class Watcher:
                 loaded.append(result)
                 self.recovery.settle(index, took=True)
         if loaded:
-            self._advance(version, max(result.seconds for result in loaded), len(loaded))
+            self._advance(version, max(result.seconds for result in loaded), time.monotonic() - started, len(loaded))
 
-    def _advance(self, version: int, seconds: float, count: int) -> None:
+    def _advance(self, version: int, seconds: float, fanout_s: float, count: int) -> None:
         if version == self.policy.version:
             return
         log.info(
-            "policy v%d -> v%d loaded in flight in %.2fs (%d replica%s)",
+            "policy v%d -> v%d loaded in flight in %.2fs (%d replica%s, the slowest paused %.2fs)",
             self.policy.version,
             version,
-            seconds,
+            fanout_s,
             count,
             "" if count == 1 else "s",
+            seconds,
         )
         self.policy.version = version
         self._load_failures = 0
         self.load_s += seconds
+        self.fanout_s += fanout_s
         self.loads += 1
         self.on_change()
 

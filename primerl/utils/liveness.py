@@ -18,7 +18,8 @@ killed before it served one rollout). So:
   plus one tick.
 """
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from primerl.utils.log import get_logger
 
@@ -32,10 +33,12 @@ class Pulse:
     silent_s: float = 0.0  # watched silence since the last sign of life
     watched_s: float = 0.0  # watched time since it was started
     finished: int = 0  # pieces of work it finished (answered), cumulative
+    seen_at: float = field(default_factory=time.monotonic)  # its last sign of life (or its start)
 
     def answered(self) -> None:
         """A health answer: the member's loop turns."""
         self.silent_s = 0.0
+        self.seen_at = time.monotonic()
 
 
 class Liveness:
@@ -66,6 +69,7 @@ class Liveness:
         first = not pulse.finished
         pulse.finished += 1
         pulse.silent_s = 0.0
+        pulse.seen_at = time.monotonic()
         if first and self.fresh_losses and pulse.watched_s <= self.grace_s:
             log.info(
                 "%s: a new member worked within %.0fs; grace back to %.0fs", self.what, pulse.watched_s, self.grace_s
