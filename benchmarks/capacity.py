@@ -139,6 +139,7 @@ def measure(run: Path, driven: Driven) -> dict[str, float]:
         "inflight": statistics.median(r[OrchestratorMetric.INFLIGHT] for r in rows),
         "loop_lag_max_ms": 1000 * max(r[OrchestratorMetric.LOOP_LAG_MAX] for r in rows),
         "weight_load_ms": 1000 * statistics.median(r[OrchestratorMetric.WEIGHT_LOAD_S] for r in rows),
+        "weight_fanout_ms": 1000 * statistics.median(r.get(OrchestratorMetric.WEIGHT_FANOUT_S) or 0 for r in rows),
         "rss_mb": driven.rss_mb,
     }
 

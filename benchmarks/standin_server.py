@@ -14,6 +14,9 @@ Routes (what primerl uses of vLLM, see primerl.orchestrator.inference_client and
   `--load-s` and serves `version` from then on);
 - `GET /health` (with the run's `x-primerl-server` id), `GET /v1/models` (max_model_len), `GET /metrics`
   (`vllm:num_requests_running`).
+With `--last-fails-after-loads N`, the last replica fails 1 s after its N-th weight load: every route answers 503 from
+then on, as a server whose engine died behind its port; `--stats` records when, and when the last generation request
+reached it afterwards (how long the orchestrator kept routing rollouts to it).
 One process serves every replica (one aiohttp site per port). Not a product feature: it lives in benchmarks/.
 """
 
@@ -53,6 +56,9 @@ class Replica:
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
     slots: asyncio.Semaphore | None = None
     requests: dict[str, int] = field(default_factory=dict)  # per route, every request this replica received
+    fails_after_loads: int = 0  # 0: never fails
+    failed_at: float | None = None  # wall time it started failing
+    generate_after_failure: float | None = None  # wall time of the last generation request it got since
 
     def __post_init__(self) -> None:
         self.resumed.set()
@@ -99,6 +105,8 @@ class Replica:
         if method == "primerl_load_weights":
             await asyncio.sleep(self.latency.load_s)
             self.version, self.loads = int(args[1]), self.loads + 1
+            if self.loads == self.fails_after_loads:
+                asyncio.get_running_loop().call_later(1.0, lambda: setattr(self, "failed_at", time.time()))
             # it holds no weights: it answers with the trainer's fingerprint, as a server that loaded them would
             fingerprint = published_fingerprint(args[0])
             answer = json.dumps({"version": self.version, "fingerprint": fingerprint, "expected": fingerprint})
@@ -130,6 +138,10 @@ class Replica:
     @web.middleware
     async def count(self, request: web.Request, handler):
         self.requests[request.path] = self.requests.get(request.path, 0) + 1
+        if self.failed_at is not None:
+            if request.path == "/inference/v1/generate":
+                self.generate_after_failure = time.time()
+            return web.Response(status=503, text="the engine died")
         return await handler(request)
 
     def app(self) -> web.Application:
@@ -145,11 +157,14 @@ class Replica:
         return app
 
 
-async def serve(host: str, ports: list[int], latency: Latency, server_id: str | None) -> list[Replica]:
+async def serve(
+    host: str, ports: list[int], latency: Latency, server_id: str | None, last_fails_after_loads: int = 0
+) -> list[Replica]:
     """Start one stand-in per port in this event loop; returns their states (they serve until the loop ends)."""
     replicas = []
     for port in ports:
-        replica = Replica(latency, server_id)
+        fails = last_fails_after_loads if port == ports[-1] else 0
+        replica = Replica(latency, server_id, fails_after_loads=fails)
         runner = web.AppRunner(replica.app(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
@@ -168,6 +183,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=0)
     parser.add_argument("--load-s", type=float, default=0.0)
+    parser.add_argument("--last-fails-after-loads", type=int, default=0, help="0: no replica fails")
     parser.add_argument(
         "--stats", help="write each replica's counts, and all requests per route, here (JSON) each second"
     )
@@ -176,12 +192,16 @@ def main() -> None:
 
     async def run() -> None:
         ports = [args.port + i for i in range(args.replicas)]
-        replicas = await serve(args.host, ports, latency, args.server_id)
+        replicas = await serve(args.host, ports, latency, args.server_id, args.last_fails_after_loads)
         print(f"stand-in serving on {args.host}:{ports[0]}..{ports[-1]}", flush=True)
         while True:
             await asyncio.sleep(1.0)
             if args.stats:
-                counts = [{"served": r.served, "running": r.running, "loads": r.loads} for r in replicas]
+                counts = [
+                    {"served": r.served, "running": r.running, "loads": r.loads, "failed_at": r.failed_at}
+                    | {"generate_after_failure": r.generate_after_failure}
+                    for r in replicas
+                ]
                 requests: dict[str, int] = {}
                 for replica in replicas:
                     for route, n in replica.requests.items():

@@ -10,11 +10,13 @@ from omegaconf import DictConfig
 from primerl.app import hydra_app, to_run_config
 from primerl.launch.start import prepare_start_model
 from primerl.orchestrator.orchestrator import run_orchestrator
+from primerl.utils.process import raise_open_files_limit
 
 
 @hydra_app()
 def main(dict_cfg: DictConfig) -> None:
     cfg = to_run_config(dict_cfg)
+    raise_open_files_limit()  # a connection per replica in a weight load's fan-out
     asyncio.run(run_orchestrator(cfg, prepare_start_model(cfg)))
 
 

@@ -1,10 +1,11 @@
 """One weight load fanned out to many replicas: a bound on the loads in flight, and a deadline for each replica set by
 the others' loads.
 
-- **Bounded**: file loads run at most FILE_LOADS_AT_ONCE at a time. Each replica is then paused for its own load
-  (pause, load, resume: three admin calls) instead of for the whole fan-out, whose length grows with the replica
-  count. Collective offers are not bounded: the trainer sends to each replica's group in its own order, and a
-  receiver held back here would stall it.
+- **Bounded**: at most FILE_LOADS_AT_ONCE file loads are in flight; each holds a connection (the orchestrator raises
+  its open-files limit at start: primerl.utils.process.raise_open_files_limit). The bound is high on purpose: a load
+  in flight costs the orchestrator nothing while the server reads its weights, and waves would multiply a version's
+  time by their number (benchmarks/control_plane.py `--load-s`). Collective offers are not bounded at all: the
+  trainer sends to each replica's group in its own order, and a receiver held back here would stall it.
 - **Stragglers**: once half the replicas finished, a load that has run STRAGGLER_FACTOR times the median finished
   load (and at least STRAGGLER_MIN_S) is cut on this side and reported as a `Straggler`: one slow replica does not
   hold the version back from the others. The watcher takes it out of routing; its server finishes the load on its
@@ -18,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
-FILE_LOADS_AT_ONCE = 64
+FILE_LOADS_AT_ONCE = 1024
 STRAGGLER_FACTOR = 3.0
 STRAGGLER_MIN_S = 10.0
 CHECK_EVERY_S = 0.5

@@ -3,6 +3,7 @@
 import ipaddress
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -16,6 +17,19 @@ NESTED_GRACE_S = STOP_GRACE_S / 2
 SIGKILLs them. Shorter than its parent's grace: a parent's SIGKILL that lands first reaches only the child's own
 group, and grandchildren that lead groups of their own would be left with the parent-death SIGTERM they already had
 (seen: a vLLM server whose uvicorn waited on a request of its dead engine outlived the run by a minute)."""
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit and return it: the orchestrator holds a
+    connection per replica during a weight load's fan-out (1,024 replicas need more than the common soft 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # kept as it is: the fan-out's connections count against it
+    return soft
 
 
 def is_loopback(host: str) -> bool:
