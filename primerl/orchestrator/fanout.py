@@ -5,7 +5,8 @@ the others' loads.
   its open-files limit at start: primerl.utils.process.raise_open_files_limit). The bound is high on purpose: a load
   in flight costs the orchestrator nothing while the server reads its weights, and waves would multiply a version's
   time by their number (benchmarks/control_plane.py `--load-s`). Collective offers are not bounded at all: the
-  trainer sends to each replica's group in its own order, and a receiver held back here would stall it.
+  trainer sends to each replica's group in its own order, and a receiver held back here would stall it. Loads start
+  STARTS_PER_TURN per turn of the event loop, so a fan-out to 1,024 replicas does not hold the loop in one long turn.
 - **Stragglers**: once half the replicas finished, a load that has run STRAGGLER_FACTOR times the median finished
   load (and at least STRAGGLER_MIN_S) is cut on this side and reported as a `Straggler`: one slow replica does not
   hold the version back from the others. The watcher takes it out of routing; its server finishes the load on its
@@ -23,6 +24,7 @@ FILE_LOADS_AT_ONCE = 1024
 STRAGGLER_FACTOR = 3.0
 STRAGGLER_MIN_S = 10.0
 CHECK_EVERY_S = 0.5
+STARTS_PER_TURN = 64  # loads started per turn of the event loop
 
 
 class Straggler(RuntimeError):
@@ -48,7 +50,11 @@ async def fan_out(
             seconds.append(time.monotonic() - started[index])  # a load cut short is not counted
             return result
 
-    tasks = {asyncio.ensure_future(one(index)): index for index in targets}
+    tasks: dict[asyncio.Future, int] = {}
+    for index in targets:
+        tasks[asyncio.ensure_future(one(index))] = index
+        if len(tasks) % STARTS_PER_TURN == 0:
+            await asyncio.sleep(0)  # let the loop turn: dispatch goes on between slices of a long fan-out
     results: dict[int, T | BaseException] = {}
     pending = set(tasks)
     try:
