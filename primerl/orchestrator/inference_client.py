@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from primerl.envs.http_transport import KEEPALIVE_S, httpx_errors
+from primerl.envs.http_transport import httpx_errors
 from primerl.transport.identity import served_by
 from primerl.transport.verified import VerifiedConnector
 from primerl.transport.weights import SERVED_MODEL_NAME, UNPROVEN, is_adapter, load_deadline_s
@@ -45,6 +45,9 @@ from primerl.utils.log import get_logger
 from primerl.utils.wait import wait_until_async
 
 log = get_logger(__name__)
+# Idle admin connections are reused for this long: under vLLM's (uvicorn's) 5 s keep-alive, so none is reused as the
+# server closes it, and over the health round (primerl.orchestrator.health: ~2 s), so a probe reuses the last one.
+ADMIN_KEEPALIVE_S = 4.0
 
 _GAUGES = {  # vLLM's /metrics lines: `vllm:<name>{labels} <value>`, one per engine
     name: re.compile(rf"^vllm:{name}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.M)
@@ -97,13 +100,13 @@ class InferenceClient:
             self._session = None
 
     def _http(self) -> aiohttp.ClientSession:
-        """The session, opened on first use on the loop that uses it. Idle connections live KEEPALIVE_S, well under
+        """The session, opened on first use on the loop that uses it. Idle connections live ADMIN_KEEPALIVE_S, under
         vLLM's 5 s, so a request never goes out on a connection the server is closing; a response that closes its
         connection (vLLM's after a 500) is not reused. Every new connection proves the run's server is at its other
         end before the key goes over it (primerl.transport.verified)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            connector = VerifiedConnector(self.api_key, limit=0, keepalive_timeout=KEEPALIVE_S)
+            connector = VerifiedConnector(self.api_key, limit=0, keepalive_timeout=ADMIN_KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
             self._session_loop = loop
         return self._session
