@@ -53,8 +53,8 @@ class Recovery:
 
     def start(self) -> None:
         """A recovery task for every replica that is down and has none."""
-        for index, up in enumerate(self.replicas.up):
-            if not up and index not in self._tasks:
+        for index in self.replicas.down:
+            if index not in self._tasks:
                 self._tasks[index] = asyncio.create_task(self._recover(index), name=f"recover-replica-{index}")
 
     def raise_failed(self) -> None:
