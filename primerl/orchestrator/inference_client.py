@@ -204,7 +204,7 @@ class InferenceClient:
             # a load refused before it touched a weight (a path outside the run, a bad version) leaves every worker
             # on its proven version: that one is served again; one that failed midway left them unproven: paused
             if await self._serves_a_proven_version():
-                await self._post_ok("/resume")
+                await self.resume()
             raise
         wrong = [answer for answer in answers if answer["version"] != version]
         if wrong:
@@ -212,7 +212,7 @@ class InferenceClient:
                 f"{self.base_url} serves fingerprint {wrong[0]['fingerprint']} after loading v{version}, not the "
                 f"trainer's {wrong[0]['expected'] or '(none written within the transfer timeout)'}: kept paused"
             )
-        await self._post_ok("/resume")
+        await self.resume()
         return Loaded(time.perf_counter() - started, answers[0]["fingerprint"])
 
     async def resume(self) -> None:
@@ -230,7 +230,8 @@ class InferenceClient:
         status, answer, _ = await self._call("POST", "/v1/load_lora_adapter", json=body)
         if status != 200:
             raise RuntimeError(
-                f"loading the adapter {path} failed on {self.base_url} ({status}): {answer[:500].decode(errors='replace')}"
+                f"loading the adapter {path} failed on {self.base_url} ({status}): "
+                f"{answer[:500].decode(errors='replace')}"
             )
 
     async def running_requests(self) -> float | None:

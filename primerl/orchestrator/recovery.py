@@ -2,8 +2,9 @@
 
 A replica marked down (by the watcher's probe, a failed load, or the runner) gets a task that waits for it with
 back-off (following it to a new address when its SLURM job was requeued: `addresses`), makes it serve the target
-version (resuming it: a load cut short on the orchestrator's side leaves the server paused), and marks it up. The target is the version the replicas that are up serve; with none up, the newest
-published (a restarted server serves v0). A target that went by collective (primerl.transport.collective) is in no
+version (resuming it: a load cut short on the orchestrator's side leaves the server paused), and marks it up. The
+target is the version the replicas that are up serve; with none up, the newest published (a restarted server serves
+v0). A target that went by collective (primerl.transport.collective) is in no
 file: the replica joins the watcher's next offer instead (`joining`: the watcher includes it in that load and
 settles its future) and is up once it took it. With no replica up and that version's offer already answered,
 nothing can send it again: the run stops (RunError), and a rerun resumes from the trainer's checkpoint.

@@ -8,7 +8,8 @@ batch cut and wakes the dispatcher). Versions in between are skipped: a server o
 Health (primerl.orchestrator.health): each up replica that showed no other sign of life is probed about once per
 HEALTH_EVERY_S, a slice of them per tick; every up replica after a group whose every rollout failed
 (`check_health()`) and after a failed load. One that refuses (nothing listens, an error status), or has shown no sign
-of life for the replicas' liveness limit, is marked down and gets new rollouts no more. A replica marked down (here, or by the runner) is brought back in the background (primerl.orchestrator.recovery).
+of life for the replicas' liveness limit, is marked down and gets new rollouts no more. A replica marked down (here,
+or by the runner) is brought back in the background (primerl.orchestrator.recovery).
 While no replica is up, admission stops (`serving` false). Invariant: every replica marked up serves
 `Policy.version`. Rollouts that failed meanwhile are counted failures; no step is skipped.
 
