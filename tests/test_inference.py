@@ -32,7 +32,7 @@ from primerl.transport.atomic import atomic_dir
 from primerl.transport.identity import SERVER_ID_HEADER, new_challenge, server_identity
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import SERVED_MODEL_NAME, published_fingerprint
-from primerl.utils.errors import ConfigError
+from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
 from tests.served import (
@@ -361,13 +361,14 @@ def test_update_in_flight_keeps_requests_and_never_reuses_old_kv(server):
 def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_come_back(server):
     """Rollouts of the faulty env in 2 env worker processes (verifiers' EnvServer each) against this real server: a
     reward that raises costs its rollout; a worker that exits (os._exit) or blocks its event loop costs only the
-    rollouts it held, is started again, and serves again; the other worker's rollouts all come back."""
+    rollouts it held, is started again, and serves again; the other worker's rollouts all come back. A worker lost at
+    its first rollout, 3 times in a row, stops the pool."""
     import itertools
     import sys
 
     from primerl.envs.types import Rollout, RolloutFailure
     from primerl.envs.verifiers_env import env_config, load_env, model_context
-    from primerl.envs.workers import EnvWorkers
+    from primerl.envs.workers import MAX_START_FAILURES, EnvWorkers
 
     envs_dir = str(Path(__file__).parent / "envs")
     if envs_dir not in sys.path:
@@ -435,6 +436,22 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
             assert pool.restarts == 2 and pool.lost >= 2
             assert all(ok(r) for r in await asyncio.gather(*(pool.run(ctx, t) for t in ok_tasks[10:14])))
             pids += [w.process.pid for w in pool.workers]
+
+            # a worker lost at its first rollout, MAX_START_FAILURES times in a row, is a broken env: the pool
+            # stops with its reason (a worker that had served first is only started again); a lost worker's
+            # rollouts are marked as such, so the orchestrator does not count them as the env's failures
+            for attempt in range(1 + MAX_START_FAILURES):
+                for _ in range(600):
+                    if pool.live_count == 2:
+                        break
+                    await asyncio.sleep(0.1)
+                assert pool.live_count == 2 and not pool.supervisor.done(), attempt
+                pids += [w.process.pid for w in pool.workers]
+                (lost,) = await pool.run(ctx, by_fault["exit"][0])  # ties go to worker 0
+                assert isinstance(lost, RolloutFailure) and lost.worker_lost and "exited with code 3" in lost.reason
+            await asyncio.wait([pool.supervisor], timeout=30)
+            with pytest.raises(RunError, match="worker 0 of faulty failed to come back 3 times in a row: exited"):
+                pool.supervisor.result()
         return pids
 
     pids = asyncio.run(main())
@@ -691,7 +708,6 @@ def test_the_engine_error_quoted_is_an_error_line_not_a_warning_that_quotes_one(
 
 def _supervise(server, outcome: list) -> None:
     from primerl.entrypoints.inference import keep_serving
-    from primerl.utils.errors import RunError
 
     try:
         keep_serving([server], 60, lambda: None)

@@ -41,6 +41,7 @@ class FakeRunner:
     policy: Policy
     duration: object = lambda task: 0.001
     fails: object = lambda task: None  # a failure reason, or None
+    lost: object = lambda task: False  # whether a failure is its env worker's loss
     reward: object = lambda task, n: (task.index % 5) / 4
     started: int = 0
     finished: int = 0
@@ -68,7 +69,7 @@ class FakeRunner:
         if (reason := self.fails(task)) is not None:
             if reason == "raise":
                 raise ValueError("env bug")
-            return [RolloutFailure(reason)]
+            return [RolloutFailure(reason, worker_lost=self.lost(task))]
         ids = [1, 2, 3, 4 + task.index % 7]
         branch = ScoredBranch(ids, [False, False, True, True], [0.0, 0.0, -0.5, -0.7])
         reward = self.reward(task, self.finished)
@@ -261,6 +262,20 @@ def test_failures_are_counted_and_a_hopeless_env_stops_the_run(tmp_path):
     # the error names the reasons: with no batch cut yet, no step line has logged them
     with pytest.raises(RuntimeError, match=r"rollouts in a row failed .* reasons since the last batch: \d+x .*always"):
         run_pipeline(tmp_path / "all", 5, {"fails": lambda task: "always"})
+
+
+def test_lost_env_workers_failures_are_counted_but_do_not_stop_the_run(tmp_path):
+    """A lost env worker's rollouts (a starved or crashing worker process: its pool bounds its own restarts) are
+    counted as failed, but not toward the failed streak that stops a run for a hopeless env: 40 tasks in a row whose
+    rollouts are all lost (160, past the bound of 5 x 8 + 2 x 16 = 72) and the run goes on. Env failures between
+    them still count: an env that fails every rollout it is given stops the run."""
+    lost_first = {"fails": lambda task: "env worker 0 lost" if task.index < 40 else None, "lost": lambda t: True}
+    orch, runner, writer = run_pipeline(tmp_path / "lost", 3, lost_first)
+    assert orch.dispatcher.counts.failed >= 160 and sorted(writer.samples) == [0, 1, 2]
+    assert orch.max_failed_streak == 72
+    mixed = {"fails": lambda task: "lost" if task.index % 2 else "always", "lost": lambda task: task.index % 2 == 1}
+    with pytest.raises(RuntimeError, match=r"rollouts in a row failed .* \d+x always"):
+        run_pipeline(tmp_path / "mixed", 3, mixed)
 
 
 def test_timeouts_are_failures(tmp_path):

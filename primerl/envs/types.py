@@ -31,6 +31,9 @@ class Rollout:
 @dataclass
 class RolloutFailure:
     reason: str
+    # the env worker running it was lost (it exited or went silent): a fault of the machine or of the worker's
+    # process, bounded by the worker pool's own restart budget, so it says nothing about the env's rollouts
+    worker_lost: bool = False
 
 
 class RolloutRunner(Protocol):

@@ -14,8 +14,10 @@ Invariants:
   whole process group, every rollout it held comes back at once as a `RolloutFailure` naming the worker and why, and a
   new one is started in its place (`restarts`), taking rollouts once it answers;
 - an env that raises inside a rollout costs that rollout only: verifiers answers it as data;
-- `MAX_START_FAILURES` workers in a row that die before their first health answer end the run (`RunError`): that is a
-  broken env or config, not a fault to ride out;
+- `MAX_START_FAILURES` workers in a row that are lost before they finish a rollout (before their first health
+  answer, or at their first rollouts) end the run (`RunError`): that is a broken env or config, not a fault to ride
+  out; the rollouts of a lost worker are marked `worker_lost`, which the orchestrator's failed-rollout streak (a bound
+  on the env's failures) does not count;
 - workers never outlive the orchestrator: each watches a pipe from it (verifiers' death pipe) and exits on its EOF,
   which a kill -9 of the orchestrator gives too.
 """
@@ -141,7 +143,7 @@ class EnvWorkers:
             worker.outstanding -= 1
         if rollouts is LOST:
             self.lost += 1
-            return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}")]
+            return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}", worker_lost=True)]
         return rollouts
 
     async def _request(self, worker: Worker, ctx: vf.ModelContext, task: Any) -> list[Rollout | RolloutFailure]:
@@ -167,24 +169,32 @@ class EnvWorkers:
             reason = await self._watch(worker)
             was_live = worker.live
             await stop_worker(worker, reason)
-            if was_live:
+            lost = (
+                f"env worker {index} of {self.name} lost after {worker.served} rollouts ({reason}); starting it again"
+            )
+            if was_live and worker.served:
                 budget.served()
-                log.warning(
-                    f"env worker {index} of {self.name} lost after {worker.served} rollouts ({reason}); "
-                    "starting it again"
-                )
+                log.warning(lost)
+            elif was_live:  # lost at its first rollouts: an env that kills every worker so is not ridden out for ever
+                log.warning(f"{lost}, {budget.failed_in_a_row + 1}/{MAX_START_FAILURES} in a row before finishing one")
+                self._fail(budget, reason)
             else:
                 log.warning(
                     f"env worker {index} of {self.name} failed to start ({reason}), "
                     f"{budget.failed_in_a_row + 1}/{MAX_START_FAILURES}"
                 )
-                try:
-                    budget.failed(f"{reason} (its log lines are above)")
-                except RunError as err:
-                    self._error = str(err)
-                    self._live.set()  # waiting rollouts see the error
-                    raise
+                self._fail(budget, f"{reason} (its log lines are above)")
             self.restarts += 1
+
+    def _fail(self, budget: RestartBudget, reason: str) -> None:
+        """One more start in a row that did not serve; past the budget, the pool's error, which waiting rollouts
+        see, ends the run."""
+        try:
+            budget.failed(reason)
+        except RunError as err:
+            self._error = str(err)
+            self._live.set()
+            raise
 
     async def _watch(self, worker: Worker) -> str:
         """Until `worker` is lost; returns why. Marks it live at its first health answer."""

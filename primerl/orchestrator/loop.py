@@ -27,7 +27,9 @@ are pending (in flight or buffered); a restarted orchestrator runs the pending o
 
 Failures are data: a failed rollout is counted; a group whose every rollout failed asks the watcher to check the
 server; `max_failed_streak` failed rollouts in a row with no success, the server up, stop the run with the logged
-reasons.
+reasons. Rollouts of a lost env worker are not the env's failures and are not counted there (the worker pool bounds
+its own restarts, primerl.envs.workers); with the default bounds a silent worker is found (env.worker_timeout_s, 30 s)
+before its rollouts time out (orchestrator.rollout_timeout_s, 120 s).
 """
 
 import asyncio
@@ -169,7 +171,9 @@ class Orchestrator:
             return  # the server is down: its failures say nothing about the environment
         if self.servers.recoveries != self._recoveries_seen:
             self._recoveries_seen, self._failed_streak = self.servers.recoveries, 0
-        self._failed_streak += item.failed_rollouts
+        # a lost env worker's rollouts say nothing about the env (its pool bounds its own restarts); they are not
+        # successes either, so they neither add to nor reset the count
+        self._failed_streak += item.failed_rollouts - item.lost_rollouts
         if self._failed_streak >= self.max_failed_streak and self._error is None:
             reasons = "; ".join(f"{count}x {reason[:200]}" for reason, count in self._failure_reasons.most_common(3))
             self._error = RunError(
