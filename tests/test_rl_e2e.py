@@ -23,6 +23,7 @@ from primerl.transport.run_dir import checkpoint_path, rollout_path, weights_pat
 from primerl.utils.process import free_port
 from primerl.utils.wait import wait_until
 from tests.conftest import ROOT, run_module, sweep_children, wandb_offline_records
+from tests.prometheus_server import prometheus, prometheus_binary, query
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +100,15 @@ def test_ctrl_c_stops_a_run_and_the_same_command_again_runs_end_to_end_to_the_sa
     assert config["orchestrator.async_level"] == "0" and not (run / "ledger.json").exists()  # W&B only
 
     again = tmp_path / "again"
-    result = _train(again, *LOCK_STEP, *EVALS)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    live_port = free_port(count=3)  # orchestrator, trainer, inference process
+    targets = [f"127.0.0.1:{live_port + offset}" for offset in range(3)]
+    scraping = prometheus(tmp_path / "prom", targets, "scrape-token") if prometheus_binary() else None
+    with scraping or contextlib.nullcontext() as prom, pytest.MonkeyPatch.context() as env:
+        env.setenv("PRIMERL_METRICS_TOKEN", "scrape-token")
+        result = _train(again, *LOCK_STEP, *EVALS, f"ledger.prometheus.port={live_port}")
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        if prom:
+            _check_prometheus(prom, again)
     # the driver says what happens: vLLM's start, each step with its ETA, each online eval, a summary at the end
     assert re.search(
         r"starting: vLLM (loading|serving) on :\d+, trainer (building the model|ready at step 0)", result.stdout
@@ -141,6 +149,24 @@ def test_ctrl_c_stops_a_run_and_the_same_command_again_runs_end_to_end_to_the_sa
         for a, b in zip(first, second):
             assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), step
     assert trainer[0]["loss"] == read_metrics(run, "trainer")[0]["loss"]
+
+
+def _check_prometheus(url: str, run) -> None:
+    """What a real Prometheus scraped every second from the run's three processes, by PromQL (docs/observability.md):
+    the reward and the in-flight rollouts from the orchestrator, the loss from the trainer, the replica up."""
+    mine = f'run="{run.resolve()}"'
+    reward = query(url, f'last_over_time(primerl_reward_mean{{process="orchestrator",{mine}}}[10m])')
+    assert len(reward) == 1 and 0.0 <= float(reward[0]["value"][1]) <= 1.0
+    assert reward[0]["metric"]["experiment"] == "reverse_text"
+    assert len(query(url, f"last_over_time(primerl_inflight_rollouts{{{mine}}}[10m])")) == 1
+    assert len(query(url, f'last_over_time(primerl_loss{{process="trainer",{mine}}}[10m])')) == 1
+    up = query(url, f'max_over_time(primerl_inference_up{{process="inference",{mine}}}[10m])')
+    assert [(r["metric"]["replica"], r["value"][1]) for r in up] == [("0", "1")]
+    assert sorted(r["value"][1] for r in query(url, 'max_over_time(up{job="primerl"}[10m])')) == ["1"] * 3
+    steps = query(url, f'max_over_time(primerl_step{{process="trainer",{mine}}}[10m])')
+    assert [r["value"][1] for r in steps] in (["1"], ["2"])  # scraped at least once after step 1's row
+    # the docs' alert expression is valid PromQL (nothing stalled: no result)
+    assert query(url, 'changes(primerl_step{process="orchestrator"}[15m]) == 0 and on (instance) up == 1') == []
 
 
 def _check_ledger(run, trainer_rows):

@@ -1,4 +1,5 @@
-"""Ledger group: where the record of each run goes: MLflow (`enabled`), W&B (`wandb.enabled`), or both."""
+"""Ledger group: where the record of each run goes: MLflow (`enabled`), W&B (`wandb.enabled`), or both; and the live
+metrics each process serves to Prometheus (`prometheus.port`)."""
 
 from dataclasses import dataclass, field
 
@@ -13,6 +14,17 @@ class WandbConfig:
     project: str | None = None  # None: the MLflow experiment's name (ledger.experiment_name, else the run's name)
     entity: str | None = None  # None: W&B's default for your login
     mode: str = "online"  # online | offline (written under <run>/wandb; `wandb sync` uploads it later) | disabled
+
+
+@dataclass
+class PrometheusConfig:
+    """Live metrics in Prometheus' format (primerl.utils.prometheus): each process serves its latest values at
+    `http://host:port+offset/metrics`, the orchestrator at `port`, the trainer (rank 0) at port+1, the inference
+    process at port+2. A scrape needs `Authorization: Bearer <token>`: $PRIMERL_METRICS_TOKEN when set, else the
+    run's key (inference.api_key)."""
+
+    port: int = bounded(0, ge=0, le=65533)  # 0: off
+    host: str = "127.0.0.1"  # another address needs a token: a scrape token or the run's key
 
 
 @dataclass
@@ -35,3 +47,4 @@ class LedgerConfig:
     # extra MLflow tags on the run (`+ledger.tags.team=rl`); `primerl rerun` sets rerun_of to the run it repeats
     tags: dict[str, str] = field(default_factory=dict)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 from primerl.config.algorithm import check_algorithm
@@ -12,6 +13,8 @@ from primerl.config.schema import RunConfig
 from primerl.config.serving import check_serving
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
+from primerl.utils.process import is_loopback
+from primerl.utils.secrets import METRICS_TOKEN_ENV
 
 # trainer.attention: transformers' attn_implementation -> the package it needs (None: torch's own)
 ATTENTION_KERNELS = {
@@ -134,6 +137,13 @@ def _parallelism(cfg: RunConfig) -> None:
 def _ledger(cfg: RunConfig) -> None:
     if cfg.ledger.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError("ledger.wandb.mode", f"'{cfg.ledger.wandb.mode}' is not one of [online, offline, disabled]")
+    live = cfg.ledger.prometheus
+    if live.port and not is_loopback(live.host) and not (os.environ.get(METRICS_TOKEN_ENV) or cfg.inference.api_key):
+        raise ConfigError(
+            "ledger.prometheus.host",
+            f"{live.host} is not a loopback address: set {METRICS_TOKEN_ENV} or inference.api_key, which a scrape must "
+            "then present",
+        )
 
 
 def _launcher(cfg: RunConfig) -> None:

@@ -31,6 +31,7 @@ from primerl.inference.server import InferenceStartError, VllmServer
 from primerl.inference.serving import server_for, serving
 from primerl.inference.vllm_args import ServerSpec, check_servable, check_supported, render_specs, resolve_device
 from primerl.launch.start import prepare_start_adapter, prepare_start_model
+from primerl.metrics import INFERENCE, serve_live_metrics
 from primerl.utils.errors import ConfigError, RunError
 from primerl.utils.log import get_logger
 from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
@@ -107,10 +108,26 @@ def main(dict_cfg: DictConfig) -> None:
                     log.warning(f"the vLLM server at {server.base_url} was killed while it started")
                 else:
                     log.info(f"serving {model_path} at {server.base_url}")
-            keep_serving(servers, cfg.inference.startup_timeout_s, follow_pairs(cfg, routers))
+            follow, report = follow_pairs(cfg, routers), live_report(cfg, servers)
+            keep_serving(servers, cfg.inference.startup_timeout_s, lambda: (follow(), report()))
     except (InferenceStartError, RunError) as err:
         log.error(str(err))
         sys.exit(1)
+
+
+def live_report(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:
+    """With ledger.prometheus.port, what sets each replica's live gauges at each poll: `inference/up` (its process
+    runs) and `inference/starts` (its processes started, restarts included), labelled by replica."""
+    live = serve_live_metrics(cfg.ledger.prometheus, INFERENCE, cfg.output_dir, cfg.name, cfg.inference.api_key)
+    if live is None:
+        return lambda: None
+
+    def report() -> None:
+        for index, server in enumerate(servers):
+            up = server.process is not None and server.process.poll() is None
+            live.set({"inference/up": float(up), "inference/starts": server.starts}, replica=str(index))
+
+    return report
 
 
 def follow_pairs(cfg: RunConfig, routers: list[PdRouter]) -> Callable[[], None]:

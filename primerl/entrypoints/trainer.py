@@ -25,7 +25,7 @@ from primerl.config.schema import RunConfig
 from primerl.config.trainer import TrainerConfig
 from primerl.config.validate import resolve_dp_shard
 from primerl.launch.start import prepare_start_adapter, prepare_start_model
-from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics
+from primerl.metrics import TRAINER, TrainerMetric, append_metrics, read_metrics, serve_live_metrics
 from primerl.trainer.checkpoint import Checkpointer, make_checkpointer, restore_sound
 from primerl.trainer.dist import DistInfo, close_distributed, init_distributed, main_rank_first
 from primerl.trainer.logprobs import TokenScores
@@ -135,6 +135,8 @@ def train(cfg: RunConfig, info: DistInfo) -> None:
     """Collective: the RL step loop (module docstring)."""
     run_dir, tcfg, cp = Path(cfg.output_dir), cfg.trainer, cfg.parallelism.cp
     dp = resolve_dp_shard(cfg, info.world_size)
+    if info.is_main:
+        serve_live_metrics(cfg.ledger.prometheus, TRAINER, run_dir, cfg.name, cfg.inference.api_key)
     base = main_rank_first(info, lambda: prepare_start_model(cfg))
     adapter = None
     if cfg.model.lora.enabled:  # version 0 is the start adapter, which the servers start with too

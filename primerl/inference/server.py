@@ -65,6 +65,7 @@ class VllmServer:
         self.scratch_prefix = scratch_prefix
         self.process: subprocess.Popen | None = None
         self.tmp_dir: Path | None = None
+        self.starts = 0  # processes spawned, cumulative: the first start and every restart
 
     @property
     def base_url(self) -> str:
@@ -133,6 +134,7 @@ class VllmServer:
         self.process = subprocess.Popen(
             dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        self.starts += 1
         log.close()
 
     def wait_ready(self, timeout_s: float = 600.0) -> "VllmServer":

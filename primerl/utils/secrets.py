@@ -1,6 +1,7 @@
 """Secrets in a run: where they come from, and how they are kept out of argv, logs and records.
 
-The one secret is the inference servers' key, `inference.api_key`. Its default reads the environment variable
+The one secret in the config is the inference servers' key, `inference.api_key`; a Prometheus scrape token
+(METRICS_TOKEN_ENV) is only ever read from the environment. Its default reads the environment variable
 API_KEY_ENV, so every process of a run finds it there. A key given on the command line is moved there by the driver
 (primerl.launch.driver): children get it in their environment, never in their argv. Every record (MLflow params,
 tags and config artifacts, the W&B config, the run's `.hydra/` files) shows MASK in its place.
@@ -9,6 +10,7 @@ tags and config artifacts, the W&B config, the run's `.hydra/` files) shows MASK
 import re
 
 API_KEY_ENV = "PRIMERL_API_KEY"
+METRICS_TOKEN_ENV = "PRIMERL_METRICS_TOKEN"  # what a Prometheus scrape presents, when not the run's key
 SECRET_KEYS = ("inference.api_key",)
 MASK = "***"
 _OVERRIDE = re.compile(r"^(\+{0,2})(" + "|".join(re.escape(k) for k in SECRET_KEYS) + r")=(.*)$")
