@@ -10,13 +10,16 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from primerl.config.ledger import PrometheusConfig
 from primerl.transport.atomic import append_lines
 from primerl.transport.run_dir import metrics_path
 from primerl.utils.log import get_logger
-from primerl.utils.prometheus import LiveMetrics
 from primerl.utils.secrets import METRICS_TOKEN_ENV
+
+if TYPE_CHECKING:
+    from primerl.utils.prometheus import LiveMetrics
 
 log = get_logger(__name__)
 
@@ -24,7 +27,7 @@ ORCHESTRATOR, TRAINER = "orchestrator", "trainer"  # the processes that write me
 EVAL = "eval"  # the orchestrator's online evals (primerl.orchestrator.online_eval): one row per evaluated policy
 INFERENCE = "inference"  # serves live metrics only
 LIVE_PORT_OFFSET = {ORCHESTRATOR: 0, TRAINER: 1, INFERENCE: 2}  # each process's port: ledger.prometheus.port + this
-_live: tuple[str, LiveMetrics] | None = None  # this process's live endpoint, with the process it serves
+_live: "tuple[str, LiveMetrics] | None" = None  # this process's live endpoint, with the process it serves
 
 
 class OrchestratorMetric:
@@ -108,12 +111,14 @@ def append_metrics(run_dir: str | Path, process: str, step: int, values: dict[st
 
 def serve_live_metrics(
     cfg: PrometheusConfig, process: str, run_dir: str | Path, experiment: str, run_key: str | None
-) -> LiveMetrics | None:
+) -> "LiveMetrics | None":
     """This process's live endpoint when `cfg.port` is set (None when off, or with a warning when its port is taken:
     monitoring never stops a run). Labels: `run` (the run directory), `experiment` (the run's name), `process`."""
     global _live
     if not cfg.port:
         return None
+    from primerl.utils.prometheus import LiveMetrics  # ~40 ms of imports, for the processes that serve
+
     port = cfg.port + LIVE_PORT_OFFSET[process]
     labels = {"run": str(Path(run_dir).resolve()), "experiment": experiment, "process": process}
     try:
