@@ -62,6 +62,9 @@ class OrchestratorMetric:
     WEIGHT_FANOUT_S = "time/weight_fanout_s"  # from a new version's first load request to every replica serving it
     WRITE_BATCH_S = "time/write_batch_s"  # packing and writing the trainer's batch file (row only, not in the file)
     TOKENS_PER_S = "throughput/completion_tokens_per_s"  # the batch's sampled tokens / GENERATE_S
+    # teacher.path: mean over the batch's sampled tokens of student - teacher log-prob (the reverse KL's estimate)
+    TEACHER_KL = "teacher/kl"
+    TEACHER_S = "time/teacher_s"  # waiting for the teacher's scores since the previous cut, summed over rollouts
     SEQ_LEN_MEAN = "seq_len/mean"
 
 

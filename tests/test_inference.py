@@ -448,7 +448,7 @@ def test_env_workers_lose_only_their_rollouts_to_a_crash_or_a_blocked_loop_and_c
                 assert pool.live_count == 2 and not pool.supervisor.done(), attempt
                 pids += [w.process.pid for w in pool.workers]
                 (lost,) = await pool.run(ctx, by_fault["exit"][0])  # ties go to worker 0
-                assert isinstance(lost, RolloutFailure) and lost.worker_lost and "exited with code 3" in lost.reason
+                assert isinstance(lost, RolloutFailure) and lost.infrastructure and "exited with code 3" in lost.reason
             await asyncio.wait([pool.supervisor], timeout=30)
             with pytest.raises(RunError, match="worker 0 of faulty failed to come back 3 times in a row: exited"):
                 pool.supervisor.result()
@@ -729,3 +729,36 @@ def test_a_model_the_cpu_engine_cannot_run_is_refused_before_anything_starts():
 
 def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_a_teacher_server_scores_the_sampled_tokens_as_the_server_sampled_them(server, tmp_path):
+    """On-policy distillation's teacher request (InferenceClient.prompt_logprobs through TeacherScoring) against this
+    real server: scoring a completion it generated gives, on each sampled token, the log-prob it sampled it with
+    (a student distilled from itself has no KL term). A teacher with another tokenizer is refused with one line."""
+    from transformers import AutoTokenizer
+
+    from primerl.envs.types import Rollout, ScoredBranch
+    from primerl.orchestrator.teacher import TeacherScoring, check_same_tokenizer
+
+    prompt = [5, 17, 42, 9, 33]
+    ids, logprobs, _ = generate(server, prompt, max_tokens=8)
+    branch = ScoredBranch(prompt + ids, [False] * len(prompt) + [True] * len(ids), [0.0] * len(prompt) + logprobs)
+
+    class Finished:
+        async def run(self, task, seed=None):
+            return [Rollout(1.0, {}, [branch], "", "")]
+
+    async def score():
+        async with client_of(server) as client:
+            return await TeacherScoring(Finished(), client).run(task=None)
+
+    (scored,) = asyncio.run(score())
+    assert scored.branches[0].teacher_logprobs[: len(prompt)] == [0.0] * len(prompt)
+    assert scored.branches[0].teacher_logprobs[len(prompt) :] == pytest.approx(logprobs, abs=2e-3)
+
+    check_same_tokenizer(str(server.model_dir), str(server.model_dir))
+    other = AutoTokenizer.from_pretrained(server.model_dir)
+    other.add_tokens(["<not-the-students>"])
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ConfigError, match="teacher.path: .* has another tokenizer than the student's"):
+        check_same_tokenizer(str(server.model_dir), str(tmp_path / "other"))

@@ -69,7 +69,7 @@ class FakeRunner:
         if (reason := self.fails(task)) is not None:
             if reason == "raise":
                 raise ValueError("env bug")
-            return [RolloutFailure(reason, worker_lost=self.lost(task))]
+            return [RolloutFailure(reason, infrastructure=self.lost(task))]
         ids = [1, 2, 3, 4 + task.index % 7]
         branch = ScoredBranch(ids, [False, False, True, True], [0.0, 0.0, -0.5, -0.7])
         reward = self.reward(task, self.finished)

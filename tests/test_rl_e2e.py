@@ -579,3 +579,29 @@ def test_a_lora_run_continues_its_sft_adapter_publishes_adapters_and_eval_scores
     ):
         result = run_module("primerl.entrypoints.eval", *common, *bad, f"hydra.run.dir={tmp_path / 'bad'}")
         assert result.returncode == 2 and key in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.long
+def test_a_run_distilled_from_a_teacher_server_alone(cache_dir, tmp_path):
+    """On-policy distillation without rewards (`teacher.reward_weight=0`): the inference process serves a teacher (the
+    tiny model, perturbed) beside the replica; every rollout's sampled tokens are scored by it; each batch's
+    advantages are the per-token reverse KL `teacher - student` (varying token by token within a sample); the
+    metrics carry the teacher KL and time; nothing is left running."""
+    from primerl.model.resolve import prepare_base_model
+    from tests.served import save_perturbed
+
+    student = prepare_base_model(check(["+experiment=reverse_text", f"cache_dir={cache_dir}"]).model, cache_dir)
+    teacher = save_perturbed(student, tmp_path / "teacher", scale=0.05, seed=3)
+    run, teacher_port = tmp_path / "distilled", free_port()
+    result = _train(run, f"teacher.path={teacher}", f"teacher.port={teacher_port}", "teacher.reward_weight=0")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"serving {teacher} at http://127.0.0.1:{teacher_port}" in (run / "logs" / "inference.log").read_text()
+    rows = read_metrics(run, "orchestrator")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["teacher/kl"] is not None and abs(r["teacher/kl"]) > 1e-4 and r["time/teacher_s"] > 0 for r in rows)
+    batch = read_rollout_batch(rollout_path(run, 0))
+    for mb in batch.micro_batches:
+        for advantages, mask in zip(mb["advantages"], mb["loss_mask"]):
+            if mask.sum() > 1:  # with no reward term, every sampled token has its own advantage
+                assert advantages[mask].unique().numel() > 1
+    assert _pids_mentioning(str(run)) == [] and _pids_mentioning(str(teacher)) == []

@@ -16,6 +16,7 @@ from primerl.config.ledger import LedgerConfig
 from primerl.config.model import ModelConfig
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.sft import SftConfig
+from primerl.config.teacher import TeacherConfig
 from primerl.config.trainer import ParallelismConfig, TrainerConfig
 from primerl.config.weights import WeightsConfig
 
@@ -38,6 +39,7 @@ class RunConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)  # trainer -> inference (primerl.transport)
     sft: SftConfig = field(default_factory=SftConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation
     eval: EvalConfig = field(default_factory=EvalConfig)  # primerl eval
     fork: ForkConfig = field(default_factory=ForkConfig)  # start from another run's checkpoint
     # settings a resumed run may change although it was started with others (primerl.launch.resume), e.g.

@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 
 from primerl.config.algorithm import check_algorithm
+from primerl.config.inference import served_ports
 from primerl.config.launcher import JOB_ROLES
 from primerl.config.model import ModelSource
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
 from primerl.config.serving import check_serving
+from primerl.config.teacher import teacher_port
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
 from primerl.utils.process import is_loopback
@@ -39,6 +41,7 @@ def validate(cfg: RunConfig) -> None:
         check_algorithm,
         _launcher,
         _ledger,
+        _teacher,
     )
     for check in checks:
         check(cfg)
@@ -144,6 +147,18 @@ def _ledger(cfg: RunConfig) -> None:
             f"{live.host} is not a loopback address: set {METRICS_TOKEN_ENV} or inference.api_key, which a scrape must "
             "then present",
         )
+
+
+def _teacher(cfg: RunConfig) -> None:
+    teacher = cfg.teacher
+    if teacher.path is None:
+        return
+    check_model_dir(Path(teacher.path).expanduser(), "teacher.path")
+    if cfg.launcher.name == "slurm":
+        raise ConfigError("teacher.path", "a teacher is served with launcher=local only (its SLURM job is not built)")
+    port = teacher_port(teacher, cfg.inference.port, cfg.inference.replicas)
+    if port in served_ports(cfg.inference):
+        raise ConfigError("teacher.port", f"{port} is a policy server's port; pick another")
 
 
 def _launcher(cfg: RunConfig) -> None:

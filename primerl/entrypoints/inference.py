@@ -24,12 +24,22 @@ from omegaconf import DictConfig
 
 from primerl.app import hydra_app, to_run_config
 from primerl.config.inference import PdRole, pd_pairs
+from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
+from primerl.config.teacher import teacher_port
 from primerl.inference.gpus import job_server_env, plan_gpus, visible_gpus
 from primerl.inference.pd_router import PdRouter, follow_prefill
 from primerl.inference.server import InferenceStartError, VllmServer
 from primerl.inference.serving import server_for, serving
-from primerl.inference.vllm_args import ServerSpec, check_servable, check_supported, render_specs, resolve_device
+from primerl.inference.vllm_args import (
+    ServerSpec,
+    bind_cores,
+    check_servable,
+    check_supported,
+    render_specs,
+    resolve_device,
+    teacher_spec,
+)
 from primerl.launch.start import prepare_start_adapter, prepare_start_model
 from primerl.metrics import INFERENCE, serve_live_metrics
 from primerl.utils.errors import ConfigError, RunError
@@ -97,7 +107,8 @@ def main(dict_cfg: DictConfig) -> None:
             "`primerl sft` with the same config first, or set sft.enabled=false",
         )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
-    specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
+    specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg)) + teacher_specs(cfg, model_path, device)
+    bind_cores(specs, device)
     place_on_gpus(cfg, specs, on_slurm=node is not None)
     servers = [server_for(cfg.output_dir, spec, node) for spec in specs]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -107,12 +118,27 @@ def main(dict_cfg: DictConfig) -> None:
                 if server.killed_by_signal():  # keep_serving starts it again at its first poll
                     log.warning(f"the vLLM server at {server.base_url} was killed while it started")
                 else:
-                    log.info(f"serving {model_path} at {server.base_url}")
+                    log.info(f"serving {server.spec.model} at {server.base_url}")
             follow, report = follow_pairs(cfg, routers), live_report(cfg, servers)
             keep_serving(servers, cfg.inference.startup_timeout_s, lambda: (follow(), report()))
     except (InferenceStartError, RunError) as err:
         log.error(str(err))
         sys.exit(1)
+
+
+def teacher_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpec]:
+    """With `teacher.path`, the teacher's server, started and supervised with the replicas (in the job of the first
+    pair under prefill/decode); it must share the student's tokenizer."""
+    if cfg.teacher.path is None or cfg.inference.pd.role == PdRole.prefill:
+        return []
+    from primerl.orchestrator.teacher import check_same_tokenizer  # transformers: only for a run with a teacher
+
+    if device != "cpu":
+        raise ConfigError("teacher.path", "a teacher server runs on CPU runs only: its GPU placement is not built yet")
+    check_model_dir(Path(cfg.teacher.path), "teacher.path")
+    check_same_tokenizer(model_path, cfg.teacher.path)
+    port = teacher_port(cfg.teacher, cfg.inference.port, cfg.inference.replicas)
+    return [teacher_spec(cfg, device, cfg.teacher.path, port)]
 
 
 def live_report(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:

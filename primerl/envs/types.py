@@ -13,6 +13,8 @@ class ScoredBranch:
     token_ids: list[int]
     sampled_mask: list[bool]
     logprobs: list[float]
+    # on-policy distillation (primerl.orchestrator.teacher): the teacher's log-prob of each token (0.0 where not sampled)
+    teacher_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -31,9 +33,10 @@ class Rollout:
 @dataclass
 class RolloutFailure:
     reason: str
-    # the env worker running it was lost (it exited or went silent): a fault of the machine or of the worker's
-    # process, bounded by the worker pool's own restart budget, so it says nothing about the env's rollouts
-    worker_lost: bool = False
+    # a process of the run failed it, not the env: its env worker was lost (exited or went silent), or the teacher
+    # did not score it. Each has its own bound (the worker pool's restart budget, the teacher server's supervisor), so
+    # the orchestrator does not count it toward the env's failures
+    infrastructure: bool = False
 
 
 class RolloutRunner(Protocol):

@@ -16,7 +16,7 @@ Invariants:
 - an env that raises inside a rollout costs that rollout only: verifiers answers it as data;
 - `MAX_START_FAILURES` workers in a row that are lost before they finish a rollout (before their first health
   answer, or at their first rollouts) end the run (`RunError`): that is a broken env or config, not a fault to ride
-  out; the rollouts of a lost worker are marked `worker_lost`, which the orchestrator's failed-rollout streak (a bound
+  out; the rollouts of a lost worker are marked `infrastructure`, which the orchestrator's failed-rollout streak (a bound
   on the env's failures) does not count;
 - workers never outlive the orchestrator: each watches a pipe from it (verifiers' death pipe) and exits on its EOF,
   which a kill -9 of the orchestrator gives too.
@@ -143,7 +143,7 @@ class EnvWorkers:
             worker.outstanding -= 1
         if rollouts is LOST:
             self.lost += 1
-            return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}", worker_lost=True)]
+            return [RolloutFailure(f"env worker {worker.index} lost: {worker.gone.result()}", infrastructure=True)]
         return rollouts
 
     async def _request(self, worker: Worker, ctx: vf.ModelContext, task: Any) -> list[Rollout | RolloutFailure]:

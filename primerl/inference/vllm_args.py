@@ -118,6 +118,10 @@ class ServerSpec:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def model(self) -> str:
+        return self.args[self.args.index("--model") + 1]
+
 
 # vLLM's allowed --max-lora-rank values (vllm/config/lora.py MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -151,10 +155,22 @@ def render_specs(
         specs = _pd_specs(cfg, args, env)
     else:
         specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
+    bind_cores(specs, device)
+    return specs
+
+
+def teacher_spec(cfg: ServingSections, device: str, path: str, port: int) -> ServerSpec:
+    """The teacher's server (on-policy distillation, primerl.orchestrator.teacher): the replicas' settings on the
+    teacher's model, scoring only (its weights never change)."""
+    args = _server_args(cfg, path, device, None) + ["--port", str(port)]
+    return ServerSpec(args, _server_env(cfg, device, None), cfg.inference.host, port)
+
+
+def bind_cores(specs: list[ServerSpec], device: str) -> None:
+    """Several servers on CPU: each binds its OpenMP threads to cores of its own (replica_cores)."""
     if device == "cpu" and len(specs) > 1:
         for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
             spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
-    return specs
 
 
 def _server_args(cfg: ServingSections, model_path: str, device: str, adapter: str | Path | None) -> list[str]:

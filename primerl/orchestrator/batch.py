@@ -20,7 +20,7 @@ def build_batch(
     `async_level` say how the samples were drawn (the trainer's loss matches them).
 
     Per-token fields: `loss_mask` (sampled tokens), `inference_logprobs`, and `advantages` (the sample's
-    advantage on every token; only masked tokens use it).
+    advantage on every token, plus its `token_advantages` where it has them; only masked tokens use it).
     """
     if not samples:
         raise ValueError(f"no samples left for step {step}")
@@ -29,7 +29,11 @@ def build_batch(
             "input_ids": s.token_ids,
             "loss_mask": s.sampled_mask,
             "inference_logprobs": s.logprobs,
-            "advantages": [s.advantage] * len(s.token_ids),
+            "advantages": (
+                [s.advantage] * len(s.token_ids)
+                if s.token_advantages is None
+                else [s.advantage + extra for extra in s.token_advantages]
+            ),
         }
         for s in samples
     ]

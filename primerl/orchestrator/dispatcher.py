@@ -147,7 +147,7 @@ class Dispatcher:
                 group.ok_rollouts += 1
             else:
                 group.failed_rollouts += 1
-                group.lost_rollouts += all(e.worker_lost for e in entries)  # no usable trace: all are failures
+                group.lost_rollouts += all(e.infrastructure for e in entries)  # no usable trace: all are failures
         self.counts.ok += group.ok_rollouts
         self.counts.failed += group.failed_rollouts
         self._emit(group)

@@ -166,6 +166,16 @@ class InferenceClient:
         what = f"inference server {self.base_url} to be healthy (inference.startup_timeout_s)"
         await wait_until_async(ready, what, timeout_s, poll_s=0.5, max_poll_s=1.0)
 
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:
+        """The server's log-prob of each of `token_ids` given those before it (None for the first): vLLM's
+        `prompt_logprobs` of a one-token completion, the model scoring a sequence it did not sample."""
+        body = {"model": SERVED_MODEL_NAME, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0}
+        status, answer, _ = await self._call("POST", "/v1/completions", json=body)
+        if status != 200:
+            raise RuntimeError(f"scoring failed on {self.base_url} ({status}): {answer[:300].decode(errors='replace')}")
+        scored = json.loads(answer)["choices"][0]["prompt_logprobs"]
+        return [None if entry is None else entry[str(token)]["logprob"] for token, entry in zip(token_ids, scored)]
+
     async def _rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list[str]:
         body = {"method": method, "args": list(args)}
         status, answer, _ = await self._call("POST", "/collective_rpc", timeout_s=timeout_s, json=body)

@@ -27,8 +27,9 @@ are pending (in flight or buffered); a restarted orchestrator runs the pending o
 
 Failures are data: a failed rollout is counted; a group whose every rollout failed asks the watcher to check the
 server; `max_failed_streak` failed rollouts in a row with no success, the server up, stop the run with the logged
-reasons. Rollouts of a lost env worker are not the env's failures and are not counted there (the worker pool bounds
-its own restarts, primerl.envs.workers); with the default bounds a silent worker is found (env.worker_timeout_s, 30 s)
+reasons. Rollouts that a process of the run failed (a lost env worker, the teacher: `RolloutFailure.infrastructure`)
+are not the env's failures and are not counted there (the worker pool bounds its own restarts, primerl.envs.workers;
+the inference process its servers'); with the default bounds a silent worker is found (env.worker_timeout_s, 30 s)
 before its rollouts time out (orchestrator.rollout_timeout_s, 120 s).
 """
 
@@ -69,13 +70,22 @@ class Orchestrator:
         meter: CutMeter | None = None,
         sampling_seed: int | None = None,
         admission: KvAdmission | None = None,
+        reward_weight: float = 1.0,
+        distill_coef: float = 1.0,
     ):
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
         self.servers = servers or AlwaysServing()
         self.admission = admission  # None: orchestrator.max_inflight alone bounds what is in flight
         self.meter = meter or CutMeter()
-        self.sink = Sink(cfg.batch_size, cfg.off_policy_bound, advantage=cfg.advantage, group_filter=cfg.filter)
+        self.sink = Sink(
+            cfg.batch_size,
+            cfg.off_policy_bound,
+            advantage=cfg.advantage,
+            group_filter=cfg.filter,
+            reward_weight=reward_weight,
+            distill_coef=distill_coef,
+        )
         self.dispatcher = Dispatcher(
             source,
             runner,
@@ -171,8 +181,8 @@ class Orchestrator:
             return  # the server is down: its failures say nothing about the environment
         if self.servers.recoveries != self._recoveries_seen:
             self._recoveries_seen, self._failed_streak = self.servers.recoveries, 0
-        # a lost env worker's rollouts say nothing about the env (its pool bounds its own restarts); they are not
-        # successes either, so they neither add to nor reset the count
+        # rollouts that a process of the run failed (a lost env worker, the teacher) say nothing about the env, and
+        # each such process has its own bound; they are not successes either, so they neither add to nor reset it
         self._failed_streak += item.failed_rollouts - item.lost_rollouts
         if self._failed_streak >= self.max_failed_streak and self._error is None:
             reasons = "; ".join(f"{count}x {reason[:200]}" for reason, count in self._failure_reasons.most_common(3))

@@ -23,9 +23,11 @@ from primerl.orchestrator.writer import BatchWriter
 from primerl.utils.log import get_logger
 
 if TYPE_CHECKING:
+    from primerl.envs.types import RolloutRunner
     from primerl.envs.workers import EnvWorkers
     from primerl.orchestrator.online_eval import OnlineEval
     from primerl.orchestrator.replicas import Replicas
+    from primerl.orchestrator.teacher import TeacherScoring
     from primerl.orchestrator.watcher import Watcher
 
 log = get_logger("orchestrator")
@@ -46,6 +48,28 @@ async def connect_replicas(cfg: OrchestratorSections, stack: contextlib.AsyncExi
     server_id = server_identity(run_dir)
     clients = [await stack.enter_async_context(InferenceClient(url, inf.api_key, server_id=server_id)) for url in urls]
     return Replicas(clients)
+
+
+async def teacher_scoring(
+    cfg: OrchestratorSections, stack: contextlib.AsyncExitStack, runner: "RolloutRunner"
+) -> "TeacherScoring | None":
+    """With `teacher.path`: `runner` with the teacher scoring its rollouts, once the teacher's server answers (the
+    inference process starts it beside the replicas, and checks that it shares the student's tokenizer:
+    primerl.inference.vllm_args.teacher_spec)."""
+    if cfg.teacher.path is None:
+        return None
+    from primerl.config.teacher import teacher_port
+    from primerl.orchestrator.inference_client import InferenceClient
+    from primerl.orchestrator.teacher import TeacherScoring
+    from primerl.transport.identity import server_identity
+
+    inf = cfg.inference
+    url = f"http://{inf.host}:{teacher_port(cfg.teacher, inf.port, inf.replicas)}"
+    client = InferenceClient(url, inf.api_key, server_id=server_identity(Path(cfg.output_dir)))
+    await stack.enter_async_context(client)
+    await client.wait_healthy(inf.startup_timeout_s)
+    log.info("the teacher at %s scores every rollout (%s)", url, cfg.teacher.path)
+    return TeacherScoring(runner, client)
 
 
 def inference_jobs(cfg: OrchestratorSections) -> int:
@@ -128,11 +152,13 @@ async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
         replicas = await connect_replicas(cfg, stack)
         pools: list[EnvWorkers] = []  # env worker pools (env.workers), each with a supervisor task
         runner, tasks, env_names = await training_envs(cfg, model_path, stack, replicas, pools)
+        teacher = await teacher_scoring(cfg, stack, runner)
+        runner = teacher or runner
         online_eval = await online_evals(cfg, model_path, run_dir, stack, replicas, pools)
         policy = await served_policy(replicas, cfg.inference.startup_timeout_s)
         watcher = make_watcher(cfg, replicas, policy, online_eval)
         idle = IdleSampler(replicas.running_requests)
-        meter = CutMeter(env_names, idle, replicas, pools)
+        meter = CutMeter(env_names, idle, replicas, pools, teacher)
         source = TaskSource(tasks, position, pending)
         sampling_seed = cfg.seed if cfg.orchestrator.seed_requests else None
         admission = None
@@ -150,6 +176,8 @@ async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
             meter=meter,
             sampling_seed=sampling_seed,
             admission=admission,
+            reward_weight=cfg.teacher.reward_weight,
+            distill_coef=cfg.teacher.coef,
         )
         await _run_with_helpers(orchestrator, watcher, idle, pools, online_eval)
 

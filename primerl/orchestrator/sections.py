@@ -8,6 +8,7 @@ from primerl.config.eval import EvalConfig
 from primerl.config.inference import InferenceConfig
 from primerl.config.launcher import LauncherConfig
 from primerl.config.orchestrator import OrchestratorConfig
+from primerl.config.teacher import TeacherConfig
 from primerl.config.trainer import TrainerConfig
 from primerl.config.weights import WeightsConfig
 
@@ -15,7 +16,7 @@ from primerl.config.weights import WeightsConfig
 class OrchestratorSections(Protocol):
     """Its own settings; the envs it trains on (`env`, or the `mixture`) and evaluates on (`eval`); the servers it
     sends rollouts to (`inference`, and with SLURM how many jobs advertise them, `launcher`); the trainer's step count,
-    batch layout and the weight transfer's deadline; the seed and the run directory it writes batches to."""
+    batch layout and the weight transfer's deadline; the teacher that scores its rollouts (`teacher`); the seed and the run directory it writes batches to."""
 
     seed: int
     output_dir: str
@@ -27,3 +28,4 @@ class OrchestratorSections(Protocol):
     orchestrator: OrchestratorConfig
     trainer: TrainerConfig
     weights: WeightsConfig
+    teacher: TeacherConfig

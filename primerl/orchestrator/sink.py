@@ -1,7 +1,9 @@
 """Sink: finished groups -> advantages -> a buffer of samples -> batches of exactly `batch_size` samples.
 
 Pure bookkeeping, no I/O, no awaits. A group's advantages come from its own usable rollouts (same task, dispatched
-under one policy version); each trainable branch of a rollout becomes one `Sample` carrying its group's dispatch
+under one policy version), scaled by `reward_weight`; a branch the teacher scored adds `distill_coef x (teacher -
+student log-prob)` on each sampled token (on-policy distillation: the reverse KL's per-token estimate, with the
+inference log-probs as the student's); each trainable branch of a rollout becomes one `Sample` carrying its group's dispatch
 version (the oldest policy that generated any of its tokens) and the version served when it finished.
 
 Invariants:
@@ -17,7 +19,7 @@ Invariants:
 from dataclasses import dataclass, field
 
 from primerl.config.orchestrator import FilterConfig
-from primerl.envs.types import Rollout
+from primerl.envs.types import Rollout, ScoredBranch
 from primerl.orchestrator.advantages import group_advantages
 from primerl.orchestrator.types import FinishedGroup
 from primerl.transport.batches import Sample
@@ -51,9 +53,14 @@ class Sink:
         examples_per_batch: int = 4,
         advantage: str = "mean",
         group_filter: FilterConfig | None = None,
+        reward_weight: float = 1.0,
+        distill_coef: float = 1.0,
     ):
+        """`reward_weight` scales the reward advantages; `distill_coef` the per-token reverse KL of a branch the
+        teacher scored, `teacher - student` log-prob of each sampled token (primerl.orchestrator.teacher)."""
         self.batch_size, self.max_off_policy_steps = batch_size, max_off_policy_steps
         self.examples_per_batch, self.advantage = examples_per_batch, advantage
+        self.reward_weight, self.distill_coef = reward_weight, distill_coef
         self.group_filter = group_filter or FilterConfig()
         self.buffer: list[_Buffered] = []
         self.pending_dropped = 0  # dropped since the last emitted batch: reported with the next one
@@ -92,10 +99,11 @@ class Sink:
                     branch.sampled_mask,
                     branch.logprobs,
                     rollout.reward,
-                    advantage,
+                    self.reward_weight * advantage,
                     group.version,
                     group.task_key,
                     finished.last_version,
+                    self._distilled(branch),
                 )
                 order, task = (group.group_id, r, i), group.task_index
                 first = i == 0
@@ -109,6 +117,15 @@ class Sink:
         dropped = len(self.buffer) - len(kept)
         self.buffer = kept
         return dropped
+
+    def _distilled(self, branch: ScoredBranch) -> list[float] | None:
+        """The per-token reverse-KL advantage of a branch the teacher scored, None for one it did not."""
+        if branch.teacher_logprobs is None:
+            return None
+        return [
+            self.distill_coef * (teacher - student) if sampled else 0.0
+            for teacher, student, sampled in zip(branch.teacher_logprobs, branch.logprobs, branch.sampled_mask)
+        ]
 
     def cut(self, step: int) -> Cut | None:
         """Batch `step`, if `batch_size` fresh-enough samples are buffered; else None (stale ones are dropped

@@ -18,6 +18,7 @@ from primerl.orchestrator.sink import Cut
 if TYPE_CHECKING:
     from primerl.envs.workers import EnvWorkers
     from primerl.orchestrator.replicas import Replicas
+    from primerl.orchestrator.teacher import TeacherScoring
 
 
 def batch_stats(cut: Cut, env_names: Sequence[str] = ()) -> dict[str, float]:
@@ -43,6 +44,10 @@ def batch_stats(cut: Cut, env_names: Sequence[str] = ()) -> dict[str, float]:
         stats[f"env/{name}/samples"] = float(len(rewards))
         if rewards:
             stats[f"env/{name}/reward_mean"] = statistics.fmean(rewards)
+    scored = [(b.logprobs, b.teacher_logprobs, b.sampled_mask) for r in rollouts for b in r.branches]
+    gaps = [s - t for ours, theirs, mask in scored if theirs for s, t, m in zip(ours, theirs, mask) if m]
+    if gaps:
+        stats[M.TEACHER_KL] = statistics.fmean(gaps)
     for name in sorted({name for r in rollouts for name in r.metrics}):
         stats[f"metric/{name}"] = statistics.fmean(r.metrics[name] for r in rollouts if name in r.metrics)
     return stats
@@ -58,9 +63,10 @@ class CutMeter:
         idle: IdleSampler | None = None,
         replicas: "Replicas | None" = None,
         env_workers: "Sequence[EnvWorkers]" = (),
+        teacher: "TeacherScoring | None" = None,
     ):
         self.env_names = list(env_names)  # a mixture's envs: per-env metrics env/<name>/...
-        self.idle, self.replicas, self.env_workers = idle, replicas, env_workers
+        self.idle, self.replicas, self.env_workers, self.teacher = idle, replicas, env_workers, teacher
         self.loop_lag = LoopLag()  # run by the cut loop
         self.rollout_seconds: list[float] = []
         self.blocked_since: float | None = None
@@ -103,6 +109,8 @@ class CutMeter:
             stats[M.ROLLOUT_MEDIAN_S] = statistics.median(seconds)
             stats[M.ROLLOUT_P90_S] = seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))]
             stats[M.ROLLOUT_MAX_S] = seconds[-1]
+        if self.teacher is not None:
+            stats[M.TEACHER_S] = self.teacher.take_seconds()
         if self.idle is not None and (idle := self.idle.take()) is not None:
             stats[M.INFERENCE_IDLE] = idle
         if self.replicas is not None:

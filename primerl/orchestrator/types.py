@@ -34,7 +34,9 @@ class FinishedGroup:
     failures: list[str] = field(default_factory=list)  # one reason per failed trace
     ok_rollouts: int = 0  # rollouts (episodes) with at least one usable trace
     failed_rollouts: int = 0  # rollouts with none
-    lost_rollouts: int = 0  # of those, rollouts whose failures all came from a lost env worker
+    lost_rollouts: int = (
+        0  # of those, rollouts whose failures all came from the run's processes (RolloutFailure.infrastructure)
+    )
     seconds: list[float] = field(default_factory=list)  # each rollout's wall time, start to finish
     task_index: int = -1  # the task's index in the run's task stream (primerl.orchestrator.source)
 

@@ -39,6 +39,8 @@ class Sample:
     policy_version: int  # the oldest policy that generated any of its tokens (the version when its group started)
     task_key: str = ""
     last_policy_version: int | None = None  # the newest (a rollout may span weight updates); None: policy_version
+    # added to `advantage` token by token (on-policy distillation's reverse KL, 0.0 where not sampled); None: nothing
+    token_advantages: list[float] | None = None
 
 
 @dataclass

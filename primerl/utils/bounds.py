@@ -28,6 +28,9 @@ def bounds_of(field: dataclasses.Field) -> dict[str, float]:
 
 
 def violation(value: Any, limits: dict[str, float]) -> str | None:
+    """Why `value` is out of `limits`, or None; None itself (an optional setting left unset) is within any."""
+    if value is None:
+        return None
     for name, limit in limits.items():
         op, text = _OPS[name]
         if not op(value, limit):
