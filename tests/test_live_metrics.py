@@ -31,8 +31,8 @@ def test_the_endpoint_serves_the_latest_values_to_a_scrape_with_the_token_only()
     try:
         live.set({"reward/mean": 0.25, "inflight/rollouts": 12, "note": "text is skipped"})
         live.set({"reward/mean": 0.5, "loss": float("nan")})  # the latest value replaces the last
-        live.set({"inference/up": 1.0}, replica="0")
-        live.set({"inference/up": 0.0}, replica="1")
+        live.set({"inference/up": 1.0}, port="8000")
+        live.set({"inference/up": 0.0}, port="8001")
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             assert httpx.get(live.address, headers=headers).status_code == 401
         auth = {"Authorization": "Bearer s3cret"}
@@ -44,8 +44,8 @@ def test_the_endpoint_serves_the_latest_values_to_a_scrape_with_the_token_only()
         assert found[("primerl_reward_mean", own)] == 0.5
         assert found[("primerl_inflight_rollouts", own)] == 12
         assert math.isnan(found[("primerl_loss", own)])
-        assert found[("primerl_inference_up", (*own[:1], ("replica", "0"), *own[1:]))] == 1.0
-        assert found[("primerl_inference_up", (*own[:1], ("replica", "1"), *own[1:]))] == 0.0
+        assert found[("primerl_inference_up", (("port", "8000"), *own))] == 1.0
+        assert found[("primerl_inference_up", (("port", "8001"), *own))] == 0.0
         assert not any(name == "primerl_note" for name, _ in found)
     finally:
         live.close()

@@ -135,23 +135,25 @@ def teacher_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSp
 
     if device != "cpu":
         raise ConfigError("teacher.path", "a teacher server runs on CPU runs only: its GPU placement is not built yet")
-    check_model_dir(Path(cfg.teacher.path), "teacher.path")
-    check_same_tokenizer(model_path, cfg.teacher.path)
+    teacher = str(Path(cfg.teacher.path).expanduser())
+    check_model_dir(Path(teacher), "teacher.path")
+    check_same_tokenizer(model_path, teacher)
     port = teacher_port(cfg.teacher, cfg.inference.port, cfg.inference.replicas)
-    return [teacher_spec(cfg, device, cfg.teacher.path, port)]
+    return [teacher_spec(cfg, device, teacher, port)]
 
 
 def live_report(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:
-    """With ledger.prometheus.port, what sets each replica's live gauges at each poll: `inference/up` (its process
-    runs) and `inference/starts` (its processes started, restarts included), labelled by replica."""
+    """With ledger.prometheus.port, what sets each server's live gauges at each poll: `inference/up` (its process
+    runs) and `inference/starts` (its processes started, restarts included), labelled by its port (a replica, a
+    prefill or decode server, the teacher)."""
     live = serve_live_metrics(cfg.ledger.prometheus, INFERENCE, cfg.output_dir, cfg.name, cfg.inference.api_key)
     if live is None:
         return lambda: None
 
     def report() -> None:
-        for index, server in enumerate(servers):
+        for server in servers:
             up = server.process is not None and server.process.poll() is None
-            live.set({"inference/up": float(up), "inference/starts": server.starts}, replica=str(index))
+            live.set({"inference/up": float(up), "inference/starts": server.starts}, port=str(server.spec.port))
 
     return report
 

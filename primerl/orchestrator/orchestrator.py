@@ -54,8 +54,8 @@ async def teacher_scoring(
     cfg: OrchestratorSections, stack: contextlib.AsyncExitStack, runner: "RolloutRunner"
 ) -> "TeacherScoring | None":
     """With `teacher.path`: `runner` with the teacher scoring its rollouts, once the teacher's server answers (the
-    inference process starts it beside the replicas, and checks that it shares the student's tokenizer:
-    primerl.inference.vllm_args.teacher_spec)."""
+    inference process starts it beside the replicas, once it found it shares the student's tokenizer:
+    primerl.entrypoints.inference.teacher_specs)."""
     if cfg.teacher.path is None:
         return None
     from primerl.config.teacher import teacher_port
