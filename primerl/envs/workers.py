@@ -159,7 +159,15 @@ class EnvWorkers:
         return rollouts
 
     async def _supervise(self, keepers: list) -> None:
-        await asyncio.gather(*keepers)
+        """Run every worker's keeper; the first that raises ends them all (gather alone would leave the others
+        running, unowned, starting workers after the pool closed)."""
+        tasks = [asyncio.ensure_future(keeper) for keeper in keepers]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _keep(self, index: int) -> None:
         """Keep worker `index` running: start it, watch it, and start it again whenever it is lost."""
