@@ -598,7 +598,9 @@ def test_a_run_distilled_from_a_teacher_server_alone(cache_dir, tmp_path):
     assert f"serving {teacher} at http://127.0.0.1:{teacher_port}" in (run / "logs" / "inference.log").read_text()
     rows = read_metrics(run, "orchestrator")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["teacher/kl"] is not None and abs(r["teacher/kl"]) > 1e-4 and r["time/teacher_s"] > 0 for r in rows)
+    assert all(r["teacher/kl"] is not None and abs(r["teacher/kl"]) > 1e-4 for r in rows)
+    # per row, time/teacher_s sums what was scored since the previous cut: none for a cut right after another
+    assert sum(r["time/teacher_s"] for r in rows) > 0
     batch = read_rollout_batch(rollout_path(run, 0))
     for mb in batch.micro_batches:
         for advantages, mask in zip(mb["advantages"], mb["loss_mask"]):
