@@ -2,7 +2,7 @@
 names of the metrics that other processes read, defined once (the ledger logs every key, prefixed by its process).
 
 With `ledger.prometheus.port` a process also serves its latest values live (`serve_live_metrics`): every row it
-appends from then on, and what it sets itself (the inference process: its replicas).
+appends from then on, and what it sets itself (the inference process: each vLLM server).
 """
 
 import json
