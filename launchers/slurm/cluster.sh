@@ -195,12 +195,13 @@ start_mariadb() {
   wait_for 30 MariaDB "${CTL[@]}" bash -c "exec 3<>/dev/tcp/127.0.0.1/$DB_PORT"
 }
 
-idle_nodes() { sinfo -h -N -o %T 2>/dev/null | grep -c idle || true; }
+# nodes that answer and take jobs, busy or not: a cluster whose nodes run jobs is running (a restart would lose them)
+up_nodes() { sinfo -h -N --responding -o %T 2>/dev/null | grep -cE '^(idle|mixed|allocated|completing)$' || true; }
 
 start() {
   mkdir -p "$DIR"/{etc,state,spool,run,log}
   install_packages
-  if [ "$(idle_nodes)" -eq "$NODES" ]; then
+  if [ "$(up_nodes)" -eq "$NODES" ]; then
     log "already running ($SLURM_CONF)"; return
   fi
   write_configs
