@@ -26,18 +26,21 @@ def _rollout(reward: float, logprobs: list[float]) -> Rollout:
 
 
 class FakeTeacher:
-    """A teacher client: the log-probs it gives each token, after failing `fails` requests."""
+    """A teacher client: the log-probs it gives each token, after failing `fails` requests; with `serves_at`, only
+    once it was moved there."""
 
-    base_url = "http://teacher"
-
-    def __init__(self, logprobs: list[float | None], fails: int = 0):
-        self.logprobs, self.fails, self.requests = logprobs, fails, 0
+    def __init__(self, logprobs: list[float | None], fails: int = 0, serves_at: str | None = None):
+        self.logprobs, self.fails, self.requests, self.serves_at = logprobs, fails, 0, serves_at
+        self.base_url = "http://teacher"
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:
         self.requests += 1
-        if self.requests <= self.fails:
+        if self.requests <= self.fails or self.serves_at not in (None, self.base_url):
             raise httpx.ConnectError("connection refused")
         return list(self.logprobs)
+
+    def move_to(self, base_url: str) -> None:
+        self.base_url = base_url
 
 
 class OneRollout:
@@ -94,3 +97,50 @@ def test_without_a_teacher_nothing_changes_and_a_teacher_that_stays_down_fails_t
     short = FakeTeacher([None, -1.0])  # an answer that does not cover the branch
     (failure,) = asyncio.run(TeacherScoring(OneRollout(_rollout(1.0, [0.0] * 5)), short).run(task=None))
     assert isinstance(failure, RolloutFailure) and "2 log-probs for 5 tokens" in failure.reason
+
+
+def test_under_slurm_the_teacher_is_a_job_of_its_own_whose_address_the_orchestrator_is_given_and_follows(
+    cache_dir, tmp_path, monkeypatch
+):
+    """launcher=slurm with teacher.path: the teacher's job serves the teacher alone on a port of its node and
+    advertises it; the orchestrator's job waits for it and is given it; the policy's inference jobs serve no teacher;
+    a teacher job requeued to another node is followed at the next retry. Each job's overrides compose with the run's
+    into a valid config."""
+    from primerl.app import check
+    from primerl.entrypoints.inference import teacher_specs
+    from primerl.launch.slurm_job import ModuleJob
+    from primerl.model.resolve import prepare_base_model
+    from primerl.transport.address import advertised_url, write_address
+
+    model = prepare_base_model(check(["+experiment=reverse_text", f"cache_dir={cache_dir}"]).model, cache_dir)
+    run = ["+experiment=reverse_text", "launcher=slurm", f"teacher.path={model}", f"output_dir={tmp_path}"]
+    run += ["inference.pd.enabled=true", "inference.pd.kv_connector=ExampleConnector"]
+    monkeypatch.setenv("SLURM_JOB_ID", "31")
+    monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    teacher_job = ModuleJob("teacher", "primerl.entrypoints.inference", [], str(tmp_path), inference_host="0.0.0.0")
+    served = check([*run, *teacher_job._address_overrides()])
+    assert served.teacher.alone and not served.inference.pd.enabled and served.inference.replicas == 1
+    (spec,) = teacher_specs(served, model)  # the teacher alone, on the port it advertised
+    assert spec.model == model and advertised_url(tmp_path, "teacher") == f"http://node3:{spec.port}"
+    assert teacher_specs(check(run), model) == []  # the policy's jobs: no teacher
+
+    monkeypatch.setenv("SLURM_JOB_ID", "30")
+    orchestrator = ModuleJob(
+        "orchestrator", "primerl.entrypoints.orchestrator", [], str(tmp_path), teacher_job_id="31", wait_s=5
+    )
+    given = check([*run, *orchestrator._address_overrides()]).teacher
+    assert (given.host, given.port) == ("node3", spec.port)
+    stale = ModuleJob(
+        "orchestrator", "primerl.entrypoints.orchestrator", [], str(tmp_path), teacher_job_id="9", wait_s=1
+    )
+    with pytest.raises(RuntimeError, match="no address from teacher job 9"):
+        stale._address_overrides()  # an earlier attempt's address is not this job's
+
+    monkeypatch.setattr(teacher_module, "TEACHER_BACKOFF_S", 0.01)
+    write_address(tmp_path, 0, "node1", 9400, "31", role="teacher")  # requeued onto node1
+    moved = FakeTeacher([None, 0.0, -1.0, -1.0, -1.0], serves_at="http://node1:9400")
+    scoring = TeacherScoring(
+        OneRollout(_rollout(1.0, [0.0] * 5)), moved, locate=lambda: advertised_url(tmp_path, "teacher")
+    )
+    (scored,) = asyncio.run(scoring.run(task=None))
+    assert scored.branches[0].teacher_logprobs == [0.0, 0.0, -1.0, -1.0, -1.0] and moved.requests == 2

@@ -91,9 +91,18 @@ def test_prefill_and_decode_jobs_on_their_own_nodes_serve_a_run(slurm_nodes, cac
     """`inference.pd.enabled` under launcher=slurm: the prefill job on node3 and the decode job on node2, each placed
     by its own `launcher.sbatch` role; the decode job's router prefills on node3's server, whose KV reaches node2's
     decode server through the run directory (ExampleConnector); new policies reach both nodes; every step trains
-    once."""
+    once. With a teacher (on-policy distillation), served by a job of its own on node1 whose address the
+    orchestrator is given: every batch carries its KL."""
+    from primerl.app import check
+    from primerl.model.resolve import prepare_base_model
+    from tests.served import save_perturbed
+
+    student = prepare_base_model(check(["+experiment=reverse_text", f"cache_dir={cache_dir}"]).model, cache_dir)
+    teacher = save_perturbed(student, tmp_path / "teacher", scale=0.05, seed=3)
     run, steps = tmp_path / "run", 3
     overrides = [
+        f"teacher.path={teacher}",
+        "+launcher.sbatch.teacher.nodelist=node1",
         "inference.host=0.0.0.0",
         "inference.api_key=test-key",
         "inference.pd.enabled=true",
@@ -105,14 +114,18 @@ def test_prefill_and_decode_jobs_on_their_own_nodes_serve_a_run(slurm_nodes, cac
         "+launcher.sbatch.orchestrator.nodelist=node1",
     ]
     with _driver(run, *overrides, steps=steps) as (driver, out):
-        jobs = _job_ids(out, roles=("prefill", "decode"))
+        jobs = _job_ids(out, roles=("prefill", "decode", "teacher"))
         _wait(lambda: _node_of(jobs["decode"]) or driver.poll() is not None, 300, out.read_text())
-        placed = {name: _node_of(jobs[name]) for name in ("prefill", "decode")}
+        placed = {name: _node_of(jobs[name]) for name in ("prefill", "decode", "teacher")}
         driver.wait(timeout=900)
     text = out.read_text()
     assert driver.returncode == 0, text[-4000:]
-    assert placed == {"prefill": "node3", "decode": "node2"}, placed
+    assert placed == {"prefill": "node3", "decode": "node2", "teacher": "node1"}, placed
     assert [r["step"] for r in read_metrics(run, "trainer")] == list(range(steps))
+    taught = json.loads((run / "teacher_address.json").read_text())
+    assert taught["host"] == "node1" and taught["job_id"] == jobs["teacher"]
+    assert f"serving {teacher} at http://0.0.0.0:{taught['port']}" in (run / "logs" / "teacher.log").read_text()
+    assert all(r["teacher/kl"] is not None for r in read_metrics(run, "orchestrator"))
     prefill = json.loads((run / "prefill_address.json").read_text())
     assert prefill["host"] == "node3" and prefill["job_id"] == jobs["prefill"]
     decode_log = (run / "logs" / "decode.log").read_text()

@@ -6,8 +6,9 @@ from typing import Any
 from primerl.utils.bounds import bounded
 
 # The roles of a run's SLURM jobs (primerl/launch/slurm.py names inference jobs after the first `inference-<j>`; with
-# prefill/decode each inference job is a `prefill` and a `decode` job); the keys `launcher.sbatch` accepts.
-JOB_ROLES = ("trainer", "inference", "prefill", "decode", "orchestrator", "sft")
+# prefill/decode each inference job is a `prefill` and a `decode` job; `teacher` with teacher.path); the keys
+# `launcher.sbatch` accepts.
+JOB_ROLES = ("trainer", "inference", "prefill", "decode", "orchestrator", "sft", "teacher")
 
 
 def job_role(job_name: str) -> str:
@@ -32,6 +33,7 @@ class LauncherConfig:
     # machine, 0: one per rank and per inference server)
     trainer_gpus: int = bounded(0, ge=0)
     inference_gpus: int = bounded(0, ge=0)
+    teacher_gpus: int = bounded(0, ge=0)  # SLURM: of the teacher's job (teacher.path); local: see inference_gpus
     # local: which GPUs, by CUDA id (instead of counts); inference and trainer must not share one ...
     inference_gpu_ids: list[str] = field(default_factory=list)
     trainer_gpu_ids: list[str] = field(default_factory=list)
@@ -45,7 +47,7 @@ class LauncherConfig:
     max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
     # a job whose driver has not renewed its lease this long (a driver killed with -9) stops by itself
     driver_lease_s: float = bounded(300.0, ge=30)
-    # more sbatch options per job role (trainer, inference, prefill, decode, orchestrator, sft), as `--key=value`
+    # more sbatch options per job role (trainer, inference, prefill, decode, orchestrator, sft, teacher), as `--key=value`
     # (`true`: a bare flag): placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`,
     # `...trainer.exclusive=true`, `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run (every
     # prefill job, every decode job) gets the same options.

@@ -14,9 +14,15 @@ class TeacherConfig:
     path: str | None = None
     coef: float = bounded(1.0, gt=0)  # weight of the per-token reverse-KL advantage
     reward_weight: float = bounded(1.0, ge=0)  # weight of the reward advantage; 0: distillation alone
-    # the teacher's vLLM server, started by the inference process beside the policy's; None: the port after the
-    # replicas' (inference.port + inference.replicas)
+    # the teacher's vLLM server: locally started by the inference process beside the policy's, on this port (None: the
+    # port after the replicas', inference.port + inference.replicas); under launcher=slurm a job of its own
+    # (`teacher`, placed by `launcher.sbatch.teacher`, `launcher.teacher_gpus` GPUs) on this port of its node (None: a
+    # free one), which it advertises to the orchestrator's job
     port: int | None = bounded(None, ge=1, le=65535)
+    # set by the SLURM launcher, not by hand: the node the teacher's job serves on (None: inference.host), and in the
+    # teacher's job itself, that its inference process serves the teacher alone
+    host: str | None = None
+    alone: bool = False
 
 
 def teacher_port(teacher: TeacherConfig, inference_port: int, replicas: int) -> int:

@@ -155,7 +155,7 @@ def _teacher(cfg: RunConfig) -> None:
         return
     check_model_dir(Path(teacher.path).expanduser(), "teacher.path")
     if cfg.launcher.name == "slurm":
-        raise ConfigError("teacher.path", "a teacher is served with launcher=local only (its SLURM job is not built)")
+        return  # the teacher's own job, on its node's port (primerl.launch.slurm)
     port = teacher_port(teacher, cfg.inference.port, cfg.inference.replicas)
     if port in served_ports(cfg.inference):
         raise ConfigError("teacher.port", f"{port} is a policy server's port; pick another")

@@ -107,7 +107,8 @@ def main(dict_cfg: DictConfig) -> None:
             "`primerl sft` with the same config first, or set sft.enabled=false",
         )
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
-    specs = render_specs(cfg, model_path, device, prepare_start_adapter(cfg)) + teacher_specs(cfg, model_path, device)
+    policy = [] if cfg.teacher.alone else render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
+    specs = policy + teacher_specs(cfg, model_path)
     bind_cores(specs, device)
     place_on_gpus(cfg, specs, on_slurm=node is not None)
     servers = [server_for(cfg.output_dir, spec, node) for spec in specs]
@@ -126,20 +127,21 @@ def main(dict_cfg: DictConfig) -> None:
         sys.exit(1)
 
 
-def teacher_specs(cfg: RunConfig, model_path: str, device: str) -> list[ServerSpec]:
-    """With `teacher.path`, the teacher's server, started and supervised with the replicas (in the job of the first
-    pair under prefill/decode); it must share the student's tokenizer."""
+def teacher_specs(cfg: RunConfig, model_path: str) -> list[ServerSpec]:
+    """With `teacher.path`, the teacher's server: locally started and supervised with the replicas (in the process of
+    the first pair under prefill/decode), under SLURM by the teacher's own job (`teacher.alone`) and no other. It must
+    share the student's tokenizer."""
     if cfg.teacher.path is None or cfg.inference.pd.role == PdRole.prefill:
+        return []
+    if cfg.launcher.name == "slurm" and not cfg.teacher.alone:
         return []
     from primerl.orchestrator.teacher import check_same_tokenizer  # transformers: only for a run with a teacher
 
-    if device != "cpu":
-        raise ConfigError("teacher.path", "a teacher server runs on CPU runs only: its GPU placement is not built yet")
     teacher = str(Path(cfg.teacher.path).expanduser())
     check_model_dir(Path(teacher), "teacher.path")
     check_same_tokenizer(model_path, teacher)
     port = teacher_port(cfg.teacher, cfg.inference.port, cfg.inference.replicas)
-    return [teacher_spec(cfg, device, teacher, port)]
+    return [teacher_spec(cfg, resolve_device(cfg.inference), teacher, port)]
 
 
 def live_report(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:
@@ -184,7 +186,7 @@ def place_on_gpus(cfg: RunConfig, specs: list[ServerSpec], on_slurm: bool) -> No
         for index, spec in enumerate(specs):
             spec.env |= job_server_env(visible, len(specs), index)
         return
-    gpus = plan_gpus(cfg.launcher, cfg.inference, visible)
+    gpus = plan_gpus(cfg.launcher, cfg.inference, visible, cfg.teacher.path is not None)
     for index, spec in enumerate(specs):
         spec.env |= gpus.server_env(index)
 

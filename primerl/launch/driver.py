@@ -111,7 +111,7 @@ def preflight(cfg: RunConfig) -> None:
     resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
     if cfg.launcher.name == "local":
         refuse_taken_ports(cfg)
-        plan_gpus(cfg.launcher, cfg.inference, visible_gpus())
+        plan_gpus(cfg.launcher, cfg.inference, visible_gpus(), cfg.teacher.path is not None)
     base = prepare_base_model(cfg.model, cfg.cache_dir)  # it may build or download the model
     check_servable(cfg.model, base, resolve_device(cfg.inference))
     if sft_applies(cfg):

@@ -55,8 +55,9 @@ class LocalLauncher:
         inference_address_path(self.run_dir).unlink(missing_ok=True)
         if self.cfg.inference.port == 0:  # free ports, the same for the servers and the orchestrator
             overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
-        nproc = self.cfg.launcher.trainer_tasks_per_node
-        gpus = plan_gpus(self.cfg.launcher, self.cfg.inference, visible_gpus())  # replicas: primerl.inference
+        cfg, nproc = self.cfg, self.cfg.launcher.trainer_tasks_per_node
+        # the servers' own GPUs are placed by primerl.entrypoints.inference; the trainer's and orchestrator's here
+        gpus = plan_gpus(cfg.launcher, cfg.inference, visible_gpus(), cfg.teacher.path is not None)
         self._spawn("inference", module_command("primerl.entrypoints.inference", overrides, self.run_dir), child_env())
         self._spawn(
             "orchestrator",

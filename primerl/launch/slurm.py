@@ -6,7 +6,8 @@ Invariants:
 - `inference.replicas=N`: `launcher.inference_jobs=J` jobs (on any nodes) serve N/J each; the orchestrator waits for
   all of their addresses. With `inference.pd.enabled`, inference job j is two jobs, placed each by its own
   `launcher.sbatch` role: `prefill` (`prefill-<j>`) and `decode` (`decode-<j>`). Each side takes
-  `launcher.inference_gpus`.
+  `launcher.inference_gpus`. With `teacher.path` one more job, `teacher`, serves the teacher
+  (`launcher.teacher_gpus`, `launcher.sbatch.teacher`); the orchestrator waits for its address too.
 - A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
   other jobs, and the driver exits 1 naming the job, its state and its last log lines.
 - While it lives the driver renews its lease; a job whose driver is gone (killed with -9) stops by itself after
@@ -105,16 +106,32 @@ class SlurmLauncher:
         """The inference jobs: `inference`, `inference-1` ... (launcher.inference_jobs), or with prefill/decode
         `prefill`, `decode`, `prefill-1`, `decode-1` ..."""
         roles = ("prefill", "decode") if self.cfg.inference.pd.enabled else ("inference",)
-        return [role if j == 0 else f"{role}-{j}" for j in range(self.cfg.launcher.inference_jobs) for role in roles]
+        names = [role if j == 0 else f"{role}-{j}" for j in range(self.cfg.launcher.inference_jobs) for role in roles]
+        return names + (["teacher"] if self.cfg.teacher.path is not None else [])
 
     def start(self, overrides: list[str]) -> None:
         inf, lc = self.cfg.inference, self.cfg.launcher
         wait_s = inf.startup_timeout_s + 3600  # what it waits for may queue first
         ids = [self._start_serving(overrides, index, wait_s).job_id for index in range(lc.inference_jobs)]
+        teacher = self._start_teacher(overrides) if self.cfg.teacher.path is not None else ""
         self._submit(
-            "orchestrator", "primerl.entrypoints.orchestrator", overrides, inference_job_ids=ids, wait_s=wait_s
+            "orchestrator",
+            "primerl.entrypoints.orchestrator",
+            overrides,
+            inference_job_ids=ids,
+            teacher_job_id=teacher,
+            wait_s=wait_s,
         )
         self._submit("trainer", "primerl.entrypoints.trainer", overrides, **self._trainer_placement())
+
+    def _start_teacher(self, overrides: list[str]) -> str:
+        """The teacher's job (primerl.launch.slurm_job: it serves the teacher alone); its job id."""
+        inference_address_path(self.run_dir, 0, "teacher").unlink(missing_ok=True)  # an earlier attempt's
+        serving = {"inference_host": self.cfg.inference.host, "inference_port": self.cfg.teacher.port or 0}
+        job = self._submit(
+            "teacher", "primerl.entrypoints.inference", overrides, gpus=self.cfg.launcher.teacher_gpus, **serving
+        )
+        return job.job_id
 
     def _start_serving(self, overrides: list[str], index: int, wait_s: float) -> submitit.Job:
         """Inference job `index`, or with prefill/decode its prefill job and then its decode job (returned)."""

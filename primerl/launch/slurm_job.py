@@ -13,6 +13,10 @@ Invariants:
   them (`inference_address_path(run, j, "prefill")`); the `decode` job waits for that address, serves the decode
   servers and a router per pair, and advertises the routers as inference job j. Pair i of job j is run-wide pair
   j*k + i (its KV store).
+- With `teacher.path` the teacher's job (`teacher`) serves it alone on `teacher.port` of its node (None: a free port)
+  and advertises it (`inference_address_path(run, 0, "teacher")`); the orchestrator job waits for that address too
+  and is given it as `teacher.host` / `teacher.port`. A requeued teacher job advertises its new address, which the
+  orchestrator follows (primerl.orchestrator.teacher).
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
   no torchrun inside a job.
 - SLURM signals a job `launcher.signal_delay_s` before its time limit, or on preemption: the job stops its process
@@ -57,6 +61,7 @@ class ModuleJob(submitit.helpers.Checkpointable):
     inference_job_ids: list[str] = field(default_factory=list)  # orchestrator: whose addresses to wait for
     pd_role: str = ""  # with prefill/decode: "prefill" or "decode", the side of its pairs this inference job serves
     prefill_job_id: str = ""  # decode: the prefill job of its pairs, whose address it waits for
+    teacher_job_id: str = ""  # orchestrator, with teacher.path: the teacher's job, whose address it waits for
     wait_s: float = 600.0
     lease_s: float = 300.0  # launcher.driver_lease_s
 
@@ -94,6 +99,8 @@ class ModuleJob(submitit.helpers.Checkpointable):
             raise RuntimeError(f"{self.name} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
 
     def _address_overrides(self) -> list[str]:
+        if self.name == "teacher":
+            return self._teacher_overrides()
         if self.module == "primerl.entrypoints.inference":
             return self._serving_overrides()
         if self.name == "orchestrator":  # every inference job's address; the first one's as the config's
@@ -101,14 +108,36 @@ class ModuleJob(submitit.helpers.Checkpointable):
                 _wait_for_address(self.run_dir, index, job_id, self.wait_s)
                 for index, job_id in enumerate(self.inference_job_ids)
             ]
-            return [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
+            given = [f"inference.host={found[0]['host']}", f"inference.port={found[0]['port']}"] if found else []
+            if self.teacher_job_id:
+                teacher = _wait_for_address(self.run_dir, 0, self.teacher_job_id, self.wait_s, "teacher")
+                given += [f"teacher.host={teacher['host']}", f"teacher.port={teacher['port']}"]
+            return given
         return []
+
+    def _teacher_overrides(self) -> list[str]:
+        """The teacher's job: its server alone, on its port of this node (`inference_port`: teacher.port, 0: free)."""
+        host = self._advertised_host()
+        port = self.inference_port or free_port()
+        write_address(self.run_dir, 0, host, port, _job_id(), role="teacher")
+        alone = [
+            "teacher.alone=true",
+            "inference.pd.enabled=false",
+            "inference.replicas=1",
+            "launcher.inference_jobs=1",
+        ]
+        return [f"teacher.port={port}", *alone]
+
+    def _advertised_host(self) -> str:
+        """A wildcard `inference_host` is advertised as the node's name as SLURM knows it: what the other nodes
+        resolve."""
+        if self.inference_host in WILDCARD_HOSTS:
+            return os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
+        return self.inference_host
 
     def _serving_overrides(self) -> list[str]:
         """An inference job's ports on its node and the address it advertises; with prefill/decode, its side."""
-        replicas, host = self.inference_replicas, self.inference_host
-        if host in WILDCARD_HOSTS:  # the node's name as SLURM knows it: what the other nodes resolve
-            host = os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
+        replicas, host = self.inference_replicas, self._advertised_host()
         # this job's share of the replicas, as one job (the run's replicas / inference_jobs would not divide)
         share = [f"inference.replicas={replicas}", "launcher.inference_jobs=1"]
         if not self.pd_role:

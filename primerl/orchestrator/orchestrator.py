@@ -54,22 +54,26 @@ async def teacher_scoring(
     cfg: OrchestratorSections, stack: contextlib.AsyncExitStack, runner: "RolloutRunner"
 ) -> "TeacherScoring | None":
     """With `teacher.path`: `runner` with the teacher scoring its rollouts, once the teacher's server answers (the
-    inference process starts it beside the replicas, once it found it shares the student's tokenizer:
-    primerl.entrypoints.inference.teacher_specs)."""
+    inference process starts it beside the replicas, under SLURM the teacher's own job, once it found it shares the
+    student's tokenizer: primerl.entrypoints.inference.teacher_specs). Under SLURM it follows the teacher's job to
+    the address it advertises when it is requeued."""
     if cfg.teacher.path is None:
         return None
     from primerl.config.teacher import teacher_port
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.teacher import TeacherScoring
+    from primerl.transport.address import advertised_url
     from primerl.transport.identity import server_identity
 
     inf = cfg.inference
-    url = f"http://{inf.host}:{teacher_port(cfg.teacher, inf.port, inf.replicas)}"
+    url = f"http://{cfg.teacher.host or inf.host}:{teacher_port(cfg.teacher, inf.port, inf.replicas)}"
     client = InferenceClient(url, inf.api_key, server_id=server_identity(Path(cfg.output_dir)))
     await stack.enter_async_context(client)
     await client.wait_healthy(inf.startup_timeout_s)
     log.info("the teacher at %s scores every rollout (%s)", url, cfg.teacher.path)
-    return TeacherScoring(runner, client)
+    if cfg.launcher.name != "slurm":
+        return TeacherScoring(runner, client)
+    return TeacherScoring(runner, client, locate=lambda: advertised_url(cfg.output_dir, "teacher"))
 
 
 def inference_jobs(cfg: OrchestratorSections) -> int:

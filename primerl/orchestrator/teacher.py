@@ -10,11 +10,14 @@ token sequence; the branch then carries `teacher_logprobs`, which the sink turns
   score is a `RolloutFailure` marked `infrastructure`, never trained without its scores: the teacher server has its
   own supervisor (the inference process restarts it, and stops the run when it cannot come back), so its failures are
   not counted as the env's;
-- the student and the teacher share a tokenizer (`check_same_tokenizer`), or the run does not start.
+- the student and the teacher share a tokenizer (`check_same_tokenizer`), or the run does not start;
+- under SLURM the teacher's job may be requeued to another node: before each retry `locate` gives the address the
+  job advertises now, and the client moves there when it changed.
 """
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,6 +25,9 @@ import httpx
 from primerl.envs.types import Rollout, RolloutFailure, RolloutRunner, ScoredBranch
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.utils.errors import ConfigError
+from primerl.utils.log import get_logger
+
+log = get_logger(__name__)
 
 TEACHER_TRIES = 3
 TEACHER_BACKOFF_S = 1.0  # the first wait before a request is tried again; doubled each time
@@ -43,10 +49,11 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
 
 class TeacherScoring:
     """A `RolloutRunner`: `runner`'s rollouts, each trainable branch scored by the teacher at `client`. `seconds`:
-    time spent waiting for the teacher, summed over rollouts (`take_seconds` reads and resets it)."""
+    time spent waiting for the teacher, summed over rollouts (`take_seconds` reads and resets it). `locate`: where the
+    teacher serves now (None: not known)."""
 
-    def __init__(self, runner: RolloutRunner, client: InferenceClient):
-        self.runner, self.client = runner, client
+    def __init__(self, runner: RolloutRunner, client: InferenceClient, locate: Callable[[], str | None] = lambda: None):
+        self.runner, self.client, self.locate = runner, client, locate
         self.seconds = 0.0
 
     async def run(self, task: Any, seed: int | None = None) -> list[Rollout | RolloutFailure]:
@@ -73,9 +80,16 @@ class TeacherScoring:
                 if attempt == TEACHER_TRIES - 1:
                     raise
                 await asyncio.sleep(TEACHER_BACKOFF_S * 2**attempt)
+                self._follow()
         if len(scored) != len(branch.token_ids):
             raise ValueError(f"{len(scored)} log-probs for {len(branch.token_ids)} tokens")
         return [lp if sampled and lp is not None else 0.0 for lp, sampled in zip(scored, branch.sampled_mask)]
+
+    def _follow(self) -> None:
+        url = self.locate()
+        if url is not None and url != self.client.base_url:
+            log.warning("the teacher moved: %s -> %s", self.client.base_url, url)
+            self.client.move_to(url)
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

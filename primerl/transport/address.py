@@ -2,7 +2,8 @@
 first port ({"host", "port", "job_id"}, atomically; rewritten when a requeued job starts elsewhere); the orchestrator
 job reads them: to start (the launcher waits for its jobs' addresses) and to follow a moved replica (the watcher).
 With prefill/decode, job j is a prefill job and a decode job: the decode job (its routers) writes the inference
-address, the prefill job its servers' in `inference_address_path(run, j, "prefill")`, which the decode job reads."""
+address, the prefill job its servers' in `inference_address_path(run, j, "prefill")`, which the decode job reads.
+The teacher's job (teacher.path) advertises its server in `inference_address_path(run, 0, "teacher")`."""
 
 import dataclasses
 import json
@@ -39,3 +40,9 @@ def advertised_urls(run_dir: str | Path, inf: InferenceConfig, jobs: int = 1) ->
         else:
             urls += replica_urls(dataclasses.replace(inf, host=found["host"], port=found["port"], replicas=per_job))
     return urls if any(urls) else None
+
+
+def advertised_url(run_dir: str | Path, role: str) -> str | None:
+    """The URL the one job of `role` (the teacher's) advertises, or None while it cannot be read."""
+    found = read_address(run_dir, 0, role)
+    return None if found is None else f"http://{found['host']}:{found['port']}"
