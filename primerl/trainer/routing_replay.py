@@ -25,8 +25,6 @@ from torch import nn
 
 from primerl.trainer.expert_parallel import moe_blocks
 
-ROUTES_FIELD = "routed_experts"
-
 
 class ReplayRouter(nn.Module):
     """Takes the place of a Qwen3-MoE block's top-k router (`block.gate`), with the same weight Parameter (so the

@@ -34,8 +34,9 @@ from primerl.trainer.dist import MAX_SUFFIX, DistInfo, all_reduce_sums
 from primerl.trainer.expert_parallel import scale_expert_grads
 from primerl.trainer.logprobs import ScoresHead, TokenScores, next_tokens
 from primerl.trainer.model_load import AdapterSpec, sharded_model
-from primerl.trainer.routing_replay import ROUTES_FIELD, ReplayRouter, moe_routers, replayed_tokens, replaying
+from primerl.trainer.routing_replay import ReplayRouter, moe_routers, replayed_tokens, replaying
 from primerl.trainer.weights import full_state_dict, save_hf_checkpoint
+from primerl.transport.batches import ROUTES_FIELD
 from primerl.utils.errors import RunError
 from primerl.utils.failpoints import failpoint
 from primerl.utils.log import get_logger

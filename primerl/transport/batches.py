@@ -12,6 +12,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
@@ -22,8 +23,9 @@ from primerl.utils.errors import RunError
 
 MICRO_BATCH_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages")
 # present only when the batch carries them: the experts the engine routed each token to in each MoE layer,
-# [rows, seq_len, moe_layers, k], negative where none (primerl/trainer/routing_replay.py)
-OPTIONAL_MICRO_BATCH_FIELDS = ("routed_experts",)
+# [rows, seq_len, moe_layers, k], NO_ROUTE where none (primerl/trainer/routing_replay.py)
+ROUTES_FIELD, NO_ROUTE = "routed_experts", -1
+OPTIONAL_MICRO_BATCH_FIELDS = (ROUTES_FIELD,)
 SAMPLING_FIELDS = ("temperature", "async_level")
 
 
@@ -41,6 +43,8 @@ class Sample:
     last_policy_version: int | None = None  # the newest (a rollout may span weight updates); None: policy_version
     # added to `advantage` token by token (on-policy distillation's reverse KL, 0.0 where not sampled); None: nothing
     token_advantages: list[float] | None = None
+    # the experts the engine routed each token to, [len(token_ids), moe_layers, k]; None: not returned
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass

@@ -39,6 +39,17 @@ def pack_sequences(sequences: list[dict[str, list]], seq_len: int, pad: dict[str
     return _fill_rows(sequences, rows, used, seq_len, pad)
 
 
+def _concatenate(parts: list, dtype: type) -> np.ndarray:
+    """A field's values over the sequences: a list per sequence (one value per token), or an array [tokens, ...]
+    (several values per token, e.g. routed experts)."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts).astype(dtype, copy=False)
+    flat: list = []
+    for part in parts:
+        flat += part
+    return np.array(flat, dtype=dtype)
+
+
 def _fill_rows(
     sequences: list[dict[str, list]], rows: list[list[int]], used: list[int], seq_len: int, pad: dict[str, object]
 ) -> PackedRows:
@@ -50,13 +61,13 @@ def _fill_rows(
     filled = torch.arange(seq_len) < torch.tensor(used, dtype=torch.long)[:, None]
     out = {}
     for key, value in pad.items():
-        values = []
-        for index, n in zip(order, lengths, strict=True):
-            if len(sequences[index][key]) != n:
-                raise ValueError(f"sequence {index}: {key} has {len(sequences[index][key])} values for {n} tokens")
-            values += sequences[index][key]
-        out[key] = torch.full((len(rows), seq_len), value, dtype=_dtype(value))
-        out[key][filled] = torch.from_numpy(np.array(values, dtype=NUMPY_DTYPES[out[key].dtype]))
+        parts = [sequences[index][key] for index in order]
+        for index, part, n in zip(order, parts, lengths, strict=True):
+            if len(part) != n:
+                raise ValueError(f"sequence {index}: {key} has {len(part)} values for {n} tokens")
+        values = _concatenate(parts, NUMPY_DTYPES[_dtype(value)])
+        out[key] = torch.full((len(rows), seq_len, *values.shape[1:]), value, dtype=_dtype(value))
+        out[key][filled] = torch.from_numpy(values)
     # positions restart at each sequence; each row's padding is one more, fully masked segment
     segments, first = [], 0
     for r, members in enumerate(rows):
