@@ -24,8 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl.app import check
 from primerl.config.inference import served_ports
+from primerl.inference.engine_support import check_supported
 from primerl.inference.server import InferenceStartError, VllmServer
-from primerl.inference.vllm_args import ServerSpec, check_supported, render_specs
+from primerl.inference.vllm_args import ServerSpec, render_specs
 from primerl.model.resolve import prepare_base_model
 from primerl.trainer.weights import save_hf_checkpoint
 from primerl.transport.atomic import atomic_dir
@@ -716,7 +717,7 @@ def _supervise(server, outcome: list) -> None:
 
 
 def test_a_model_the_cpu_engine_cannot_run_is_refused_before_anything_starts():
-    from primerl.inference.vllm_args import check_servable
+    from primerl.inference.engine_support import check_servable
 
     cfg = check(["+experiment=reverse_text", "model.arch.head_dim=16"])
     model = prepare_base_model(cfg.model, cfg.cache_dir)

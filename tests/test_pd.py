@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.pd import cpu_pd_overrides
 from primerl.app import check
-from primerl.inference.vllm_args import check_supported
+from primerl.inference.engine_support import check_supported
 from primerl.model.resolve import prepare_base_model
 from primerl.orchestrator.inference_client import InferenceClient
 from primerl.trainer.weights import save_hf_checkpoint

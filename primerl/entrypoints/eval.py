@@ -102,7 +102,7 @@ def served_at(cfg: RunConfig, model_path: str, device: str, adapter: str | None)
 def evaluate(cfg: RunConfig, model_path: str) -> dict:
     """Serve `model_path`, run the env's tasks, return the summary (also what `eval.json` holds)."""
     from primerl.envs.verifiers_env import load_env
-    from primerl.inference.vllm_args import check_servable, check_supported, resolve_device
+    from primerl.inference.engine_support import check_servable, check_supported, resolve_device
 
     e = cfg.eval
     inf = dataclasses.replace(cfg.inference, port=cfg.inference.port or free_port())

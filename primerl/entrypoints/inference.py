@@ -27,19 +27,12 @@ from primerl.config.inference import PdRole, pd_pairs
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
 from primerl.config.teacher import teacher_port
+from primerl.inference.engine_support import check_servable, check_supported, resolve_device
 from primerl.inference.gpus import job_server_env, plan_gpus, visible_gpus
 from primerl.inference.pd_router import PdRouter, follow_prefill
 from primerl.inference.server import InferenceStartError, VllmServer
 from primerl.inference.serving import server_for, serving
-from primerl.inference.vllm_args import (
-    ServerSpec,
-    bind_cores,
-    check_servable,
-    check_supported,
-    render_specs,
-    resolve_device,
-    teacher_spec,
-)
+from primerl.inference.vllm_args import ServerSpec, bind_cores, render_specs, teacher_spec
 from primerl.launch.start import prepare_start_adapter, prepare_start_model
 from primerl.metrics import INFERENCE, serve_live_metrics
 from primerl.utils.errors import ConfigError, RunError

@@ -91,8 +91,8 @@ def preflight(cfg: RunConfig) -> None:
     is fetched here, once, into the local Hugging Face cache, where every process then finds it."""
     from primerl.config.validate import resolve_dp_shard
     from primerl.envs.verifiers_env import load_env
+    from primerl.inference.engine_support import check_servable, resolve_device
     from primerl.inference.gpus import plan_gpus, visible_gpus
-    from primerl.inference.vllm_args import check_servable, resolve_device
     from primerl.launch.start import sft_applies
     from primerl.model.resolve import prepare_base_model
 
