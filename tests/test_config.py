@@ -324,9 +324,9 @@ def test_gpu_plan_gives_each_inference_server_and_trainer_rank_its_own_gpu(monke
     one GPU only when asked, with vLLM's memory share bounded; every bad layout one line naming the key."""
     from primerl.inference.gpus import job_server_env, plan_gpus, visible_gpus
 
-    def plan(visible: list[str], *overrides: str, with_teacher: bool = False):
+    def plan(visible: list[str], *overrides: str, teacher_servers: int = 0):
         cfg = check(list(overrides))
-        return plan_gpus(cfg.launcher, cfg.inference, visible, with_teacher)
+        return plan_gpus(cfg.launcher, cfg.inference, visible, teacher_servers)
 
     assert plan([]).trainer_env() == {} and plan([]).orchestrator_env() == {}  # no CUDA: nothing set
     two = plan(["0", "1"])
@@ -336,9 +336,9 @@ def test_gpu_plan_gives_each_inference_server_and_trainer_rank_its_own_gpu(monke
     assert four.inference == ("0", "1") and four.trainer == ("2", "3")
     pairs = plan([str(g) for g in range(5)], "inference.replicas=2", "inference.pd.enabled=true")
     assert pairs.inference == ("0", "1", "2", "3") and pairs.trainer == ("4",)  # prefill and decode: one GPU each
-    taught = plan(["0", "1", "2"], with_teacher=True)  # teacher.path: its server after the replica's
-    assert taught.inference == ("0", "1") and taught.server_env(1) == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert taught.trainer == ("2",)
+    taught = plan(["0", "1", "2", "3"], teacher_servers=2)  # teacher.replicas=2: after the replica's server
+    assert taught.inference == ("0", "1", "2") and taught.server_env(2) == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert taught.trainer == ("3",)
     assert [job_server_env(["4", "5", "6", "7"], 2, s) for s in (0, 1)] == [
         {"CUDA_VISIBLE_DEVICES": "4,5"},
         {"CUDA_VISIBLE_DEVICES": "6,7"},

@@ -55,7 +55,7 @@ def test_the_teachers_log_probs_become_a_per_token_advantage_beside_the_rewards(
     monkeypatch.setattr(teacher_module, "TEACHER_BACKOFF_S", 0.01)
     student = [0.0, 0.0, -0.5, -0.7, -0.2]
     teacher = FakeTeacher([None, -3.0, -0.4, -0.9, -0.2], fails=2)  # tried again twice, then it answers
-    scoring = TeacherScoring(OneRollout(_rollout(1.0, student)), teacher)
+    scoring = TeacherScoring(OneRollout(_rollout(1.0, student)), [teacher])
     (scored,) = asyncio.run(scoring.run(task=None))
     # only sampled tokens carry the teacher's log-prob
     assert scored.branches[0].teacher_logprobs == [0.0, 0.0, -0.4, -0.9, -0.2] and teacher.requests == 3
@@ -91,11 +91,11 @@ def test_without_a_teacher_nothing_changes_and_a_teacher_that_stays_down_fails_t
 
     monkeypatch.setattr(teacher_module, "TEACHER_BACKOFF_S", 0.01)
     down = FakeTeacher([None] * 5, fails=10)
-    (failure,) = asyncio.run(TeacherScoring(OneRollout(_rollout(1.0, [0.0] * 5)), down).run(task=None))
+    (failure,) = asyncio.run(TeacherScoring(OneRollout(_rollout(1.0, [0.0] * 5)), [down]).run(task=None))
     assert isinstance(failure, RolloutFailure) and failure.infrastructure and down.requests == 3
     assert "teacher at http://teacher did not score it: connection refused" == failure.reason
     short = FakeTeacher([None, -1.0])  # an answer that does not cover the branch
-    (failure,) = asyncio.run(TeacherScoring(OneRollout(_rollout(1.0, [0.0] * 5)), short).run(task=None))
+    (failure,) = asyncio.run(TeacherScoring(OneRollout(_rollout(1.0, [0.0] * 5)), [short]).run(task=None))
     assert isinstance(failure, RolloutFailure) and "2 log-probs for 5 tokens" in failure.reason
 
 
@@ -110,7 +110,7 @@ def test_under_slurm_the_teacher_is_a_job_of_its_own_whose_address_the_orchestra
     from primerl.entrypoints.inference import teacher_specs
     from primerl.launch.slurm_job import ModuleJob
     from primerl.model.resolve import prepare_base_model
-    from primerl.transport.address import advertised_url, write_address
+    from primerl.transport.address import advertised_urls_of, write_address
 
     model = prepare_base_model(check(["+experiment=reverse_text", f"cache_dir={cache_dir}"]).model, cache_dir)
     run = ["+experiment=reverse_text", "launcher=slurm", f"teacher.path={model}", f"output_dir={tmp_path}"]
@@ -121,8 +121,14 @@ def test_under_slurm_the_teacher_is_a_job_of_its_own_whose_address_the_orchestra
     served = check([*run, *teacher_job._address_overrides()])
     assert served.teacher.alone and not served.inference.pd.enabled and served.inference.replicas == 1
     (spec,) = teacher_specs(served, model)  # the teacher alone, on the port it advertised
-    assert spec.model == model and advertised_url(tmp_path, "teacher") == f"http://node3:{spec.port}"
+    assert spec.model == model and advertised_urls_of(tmp_path, "teacher", 1) == [f"http://node3:{spec.port}"]
     assert teacher_specs(check(run), model) == []  # the policy's jobs: no teacher
+    two = ModuleJob(
+        "teacher", "primerl.entrypoints.inference", [], str(tmp_path / "two"), "0.0.0.0", inference_replicas=2
+    )
+    pair = teacher_specs(check([*run, "teacher.replicas=2", *two._address_overrides()]), model)
+    assert [spec.port for spec in pair] == [pair[0].port, pair[0].port + 1]
+    assert advertised_urls_of(tmp_path / "two", "teacher", 2) == [f"http://node3:{s.port}" for s in pair]
 
     monkeypatch.setenv("SLURM_JOB_ID", "30")
     orchestrator = ModuleJob(
@@ -140,7 +146,33 @@ def test_under_slurm_the_teacher_is_a_job_of_its_own_whose_address_the_orchestra
     write_address(tmp_path, 0, "node1", 9400, "31", role="teacher")  # requeued onto node1
     moved = FakeTeacher([None, 0.0, -1.0, -1.0, -1.0], serves_at="http://node1:9400")
     scoring = TeacherScoring(
-        OneRollout(_rollout(1.0, [0.0] * 5)), moved, locate=lambda: advertised_url(tmp_path, "teacher")
+        OneRollout(_rollout(1.0, [0.0] * 5)), [moved], locate=lambda: advertised_urls_of(tmp_path, "teacher", 1)
     )
     (scored,) = asyncio.run(scoring.run(task=None))
     assert scored.branches[0].teacher_logprobs == [0.0, 0.0, -1.0, -1.0, -1.0] and moved.requests == 2
+
+
+def test_the_teachers_replicas_share_the_branches_and_a_failed_request_goes_to_another(monkeypatch):
+    """teacher.replicas=2: branches in flight at once go to the server with fewer requests in flight; a server that
+    is down fails each request once, which is then scored by the other."""
+    monkeypatch.setattr(teacher_module, "TEACHER_BACKOFF_S", 0.01)
+    logprobs = [None, 0.0, -1.0, -1.0, -1.0]
+
+    class Slow(FakeTeacher):
+        async def prompt_logprobs(self, token_ids):
+            await asyncio.sleep(0.05)
+            return await super().prompt_logprobs(token_ids)
+
+    class Branches:
+        async def run(self, task, seed=None):
+            return [Rollout(1.0, {}, [ScoredBranch(list(IDS), list(MASK), [0.0] * 5) for _ in range(4)], "c")]
+
+    first, second = Slow(logprobs), Slow(logprobs)
+    (scored,) = asyncio.run(TeacherScoring(Branches(), [first, second]).run(task=None))
+    assert all(b.teacher_logprobs == [0.0, 0.0, -1.0, -1.0, -1.0] for b in scored.branches)
+    assert (first.requests, second.requests) == (2, 2)
+    down, up = FakeTeacher(logprobs, fails=10), FakeTeacher(logprobs)
+    scoring = TeacherScoring(Branches(), [down, up])
+    (scored,) = asyncio.run(scoring.run(task=None))
+    assert all(b.teacher_logprobs is not None for b in scored.branches) and up.requests == 4
+    assert scoring.in_flight == [0, 0]

@@ -751,7 +751,7 @@ def test_a_teacher_server_scores_the_sampled_tokens_as_the_server_sampled_them(s
 
     async def score():
         async with client_of(server) as client:
-            return await TeacherScoring(Finished(), client).run(task=None)
+            return await TeacherScoring(Finished(), [client]).run(task=None)
 
     (scored,) = asyncio.run(score())
     assert scored.branches[0].teacher_logprobs[: len(prompt)] == [0.0] * len(prompt)

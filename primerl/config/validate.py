@@ -12,7 +12,7 @@ from primerl.config.model import ModelSource
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
 from primerl.config.serving import check_serving
-from primerl.config.teacher import teacher_port
+from primerl.config.teacher import teacher_ports
 from primerl.utils.bounds import check_bounds
 from primerl.utils.errors import ConfigError
 from primerl.utils.process import is_loopback
@@ -156,9 +156,11 @@ def _teacher(cfg: RunConfig) -> None:
     check_model_dir(Path(teacher.path).expanduser(), "teacher.path")
     if cfg.launcher.name == "slurm":
         return  # the teacher's own job, on its node's port (primerl.launch.slurm)
-    port = teacher_port(teacher, cfg.inference.port, cfg.inference.replicas)
-    if port in served_ports(cfg.inference):
-        raise ConfigError("teacher.port", f"{port} is a policy server's port; pick another")
+    taken = sorted(
+        set(teacher_ports(teacher, cfg.inference.port, cfg.inference.replicas)) & set(served_ports(cfg.inference))
+    )
+    if taken:
+        raise ConfigError("teacher.port", f"{taken[0]} is a policy server's port; pick another")
 
 
 def _launcher(cfg: RunConfig) -> None:

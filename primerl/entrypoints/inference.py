@@ -26,7 +26,7 @@ from primerl.app import hydra_app, to_run_config
 from primerl.config.inference import PdRole, pd_pairs
 from primerl.config.model_dir import check_model_dir
 from primerl.config.schema import RunConfig
-from primerl.config.teacher import teacher_port
+from primerl.config.teacher import teacher_ports, teacher_servers
 from primerl.inference.engine_support import check_servable, check_supported, resolve_device
 from primerl.inference.gpus import job_server_env, plan_gpus, visible_gpus
 from primerl.inference.pd_router import PdRouter, follow_prefill
@@ -121,7 +121,7 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 def teacher_specs(cfg: RunConfig, model_path: str) -> list[ServerSpec]:
-    """With `teacher.path`, the teacher's server: locally started and supervised with the replicas (in the process of
+    """With `teacher.path`, the teacher's servers (`teacher.replicas`): locally started and supervised with the replicas (in the process of
     the first pair under prefill/decode), under SLURM by the teacher's own job (`teacher.alone`) and no other. It must
     share the student's tokenizer."""
     if cfg.teacher.path is None or cfg.inference.pd.role == PdRole.prefill:
@@ -130,11 +130,11 @@ def teacher_specs(cfg: RunConfig, model_path: str) -> list[ServerSpec]:
         return []
     from primerl.orchestrator.teacher import check_same_tokenizer  # transformers: only for a run with a teacher
 
-    teacher = str(Path(cfg.teacher.path).expanduser())
+    teacher, device = str(Path(cfg.teacher.path).expanduser()), resolve_device(cfg.inference)
     check_model_dir(Path(teacher), "teacher.path")
     check_same_tokenizer(model_path, teacher)
-    port = teacher_port(cfg.teacher, cfg.inference.port, cfg.inference.replicas)
-    return [teacher_spec(cfg, resolve_device(cfg.inference), teacher, port)]
+    ports = teacher_ports(cfg.teacher, cfg.inference.port, cfg.inference.replicas)
+    return [teacher_spec(cfg, device, teacher, port) for port in ports]
 
 
 def live_report(cfg: RunConfig, servers: list[VllmServer]) -> Callable[[], None]:
@@ -179,7 +179,7 @@ def place_on_gpus(cfg: RunConfig, specs: list[ServerSpec], on_slurm: bool) -> No
         for index, spec in enumerate(specs):
             spec.env |= job_server_env(visible, len(specs), index)
         return
-    gpus = plan_gpus(cfg.launcher, cfg.inference, visible, cfg.teacher.path is not None)
+    gpus = plan_gpus(cfg.launcher, cfg.inference, visible, teacher_servers(cfg.teacher))
     for index, spec in enumerate(specs):
         spec.env |= gpus.server_env(index)
 

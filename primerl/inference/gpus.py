@@ -1,7 +1,7 @@
 """Which GPUs each process of a local run sees (CUDA_VISIBLE_DEVICES), planned before anything starts.
 
 Inference servers and trainer ranks get disjoint GPUs: server i the i-th inference GPU (a server per replica, or with
-prefill/decode two per replica, prefill first: primerl.inference.vllm_args; with `teacher.path` the teacher's server
+prefill/decode two per replica, prefill first: primerl.inference.vllm_args; with `teacher.path` the teacher's servers
 last), trainer rank r the r-th
 trainer GPU (torchrun's local rank indexes the trainer's list), the orchestrator none. The GPUs are
 `launcher.inference_gpu_ids` / `launcher.trainer_gpu_ids` when given, else counts (`launcher.inference_gpus`,
@@ -50,12 +50,12 @@ def visible_gpus() -> list[str]:
 
 
 def plan_gpus(
-    launcher: LauncherConfig, inference: InferenceConfig, visible: list[str], with_teacher: bool = False
+    launcher: LauncherConfig, inference: InferenceConfig, visible: list[str], teacher_servers: int = 0
 ) -> GpuPlan:
-    """`with_teacher`: one more inference server after the policy's, the teacher's (teacher.path)."""
+    """`teacher_servers`: inference servers after the policy's, the teacher's (teacher.path)."""
     if not visible or inference.device == "cpu":
         return GpuPlan()
-    servers, ranks = server_count(inference) + int(with_teacher), launcher.trainer_tasks_per_node
+    servers, ranks = server_count(inference) + teacher_servers, launcher.trainer_tasks_per_node
     if launcher.share_gpu:
         if inference.gpu_memory_utilization > SHARED_GPU_MAX_UTILIZATION:
             raise ConfigError(

@@ -14,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from primerl.config.schema import RunConfig
+from primerl.config.teacher import teacher_servers
 from primerl.launch.children import ChildFailed
 from primerl.launch.fork import seed_fork
 from primerl.launch.leftovers import LEFTOVER_GRACE_S, claim_run_dir, clear_leftovers, stop_leftovers
@@ -112,7 +113,7 @@ def preflight(cfg: RunConfig) -> None:
     resolve_dp_shard(cfg, cfg.launcher.trainer_tasks_per_node * cfg.launcher.trainer_nodes)
     if cfg.launcher.name == "local":
         refuse_taken_ports(cfg)
-        plan_gpus(cfg.launcher, cfg.inference, visible_gpus(), cfg.teacher.path is not None)
+        plan_gpus(cfg.launcher, cfg.inference, visible_gpus(), teacher_servers(cfg.teacher))
     base = prepare_base_model(cfg.model, cfg.cache_dir)  # it may build or download the model
     check_servable(cfg.model, base, resolve_device(cfg.inference))
     if sft_applies(cfg):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primerl.config.schema import RunConfig
+from primerl.config.teacher import teacher_servers
 from primerl.inference.gpus import plan_gpus, visible_gpus
 from primerl.launch.children import ChildFailed, child_env, log_tail, module_command
 from primerl.transport.run_dir import inference_address_path, log_path, sft_run_dir
@@ -57,7 +58,7 @@ class LocalLauncher:
             overrides = [*overrides, f"inference.port={free_port(count=self.cfg.inference.replicas)}"]
         cfg, nproc = self.cfg, self.cfg.launcher.trainer_tasks_per_node
         # the servers' own GPUs are placed by primerl.entrypoints.inference; the trainer's and orchestrator's here
-        gpus = plan_gpus(cfg.launcher, cfg.inference, visible_gpus(), cfg.teacher.path is not None)
+        gpus = plan_gpus(cfg.launcher, cfg.inference, visible_gpus(), teacher_servers(cfg.teacher))
         self._spawn("inference", module_command("primerl.entrypoints.inference", overrides, self.run_dir), child_env())
         self._spawn(
             "orchestrator",

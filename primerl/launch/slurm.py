@@ -127,7 +127,12 @@ class SlurmLauncher:
     def _start_teacher(self, overrides: list[str]) -> str:
         """The teacher's job (primerl.launch.slurm_job: it serves the teacher alone); its job id."""
         inference_address_path(self.run_dir, 0, "teacher").unlink(missing_ok=True)  # an earlier attempt's
-        serving = {"inference_host": self.cfg.inference.host, "inference_port": self.cfg.teacher.port or 0}
+        teacher = self.cfg.teacher
+        serving = {
+            "inference_host": self.cfg.inference.host,
+            "inference_port": teacher.port or 0,
+            "inference_replicas": teacher.replicas,
+        }
         job = self._submit(
             "teacher", "primerl.entrypoints.inference", overrides, gpus=self.cfg.launcher.teacher_gpus, **serving
         )

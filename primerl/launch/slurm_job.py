@@ -13,8 +13,8 @@ Invariants:
   them (`inference_address_path(run, j, "prefill")`); the `decode` job waits for that address, serves the decode
   servers and a router per pair, and advertises the routers as inference job j. Pair i of job j is run-wide pair
   j*k + i (its KV store).
-- With `teacher.path` the teacher's job (`teacher`) serves it alone on `teacher.port` of its node (None: a free port)
-  and advertises it (`inference_address_path(run, 0, "teacher")`); the orchestrator job waits for that address too
+- With `teacher.path` the teacher's job (`teacher`) serves it alone on `teacher.replicas` consecutive ports from
+  `teacher.port` of its node (None: free ones) and advertises the first (`inference_address_path(run, 0, "teacher")`); the orchestrator job waits for that address too
   and is given it as `teacher.host` / `teacher.port`. A requeued teacher job advertises its new address, which the
   orchestrator follows (primerl.orchestrator.teacher).
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
@@ -116,9 +116,10 @@ class ModuleJob(submitit.helpers.Checkpointable):
         return []
 
     def _teacher_overrides(self) -> list[str]:
-        """The teacher's job: its server alone, on its port of this node (`inference_port`: teacher.port, 0: free)."""
+        """The teacher's job: its servers alone (`inference_replicas`: teacher.replicas), on consecutive ports of this
+        node from `inference_port` (teacher.port; 0: free ones), the first one advertised."""
         host = self._advertised_host()
-        port = self.inference_port or free_port()
+        port = self.inference_port or free_port(count=self.inference_replicas)
         write_address(self.run_dir, 0, host, port, _job_id(), role="teacher")
         alone = [
             "teacher.alone=true",

@@ -59,21 +59,23 @@ async def teacher_scoring(
     the address it advertises when it is requeued."""
     if cfg.teacher.path is None:
         return None
-    from primerl.config.teacher import teacher_port
+    from primerl.config.teacher import teacher_ports
     from primerl.orchestrator.inference_client import InferenceClient
     from primerl.orchestrator.teacher import TeacherScoring
-    from primerl.transport.address import advertised_url
+    from primerl.transport.address import advertised_urls_of
     from primerl.transport.identity import server_identity
 
-    inf = cfg.inference
-    url = f"http://{cfg.teacher.host or inf.host}:{teacher_port(cfg.teacher, inf.port, inf.replicas)}"
-    client = InferenceClient(url, inf.api_key, server_id=server_identity(Path(cfg.output_dir)))
-    await stack.enter_async_context(client)
-    await client.wait_healthy(inf.startup_timeout_s)
-    log.info("the teacher at %s scores every rollout (%s)", url, cfg.teacher.path)
+    inf, teacher = cfg.inference, cfg.teacher
+    urls = [f"http://{teacher.host or inf.host}:{port}" for port in teacher_ports(teacher, inf.port, inf.replicas)]
+    server_id = server_identity(Path(cfg.output_dir))
+    clients = [InferenceClient(url, inf.api_key, server_id=server_id) for url in urls]
+    for client in clients:
+        await stack.enter_async_context(client)
+        await client.wait_healthy(inf.startup_timeout_s)
+    log.info("the teacher at %s scores every rollout (%s)", ", ".join(urls), teacher.path)
     if cfg.launcher.name != "slurm":
-        return TeacherScoring(runner, client)
-    return TeacherScoring(runner, client, locate=lambda: advertised_url(cfg.output_dir, "teacher"))
+        return TeacherScoring(runner, clients)
+    return TeacherScoring(runner, clients, locate=lambda: advertised_urls_of(cfg.output_dir, "teacher", len(clients)))
 
 
 def inference_jobs(cfg: OrchestratorSections) -> int:

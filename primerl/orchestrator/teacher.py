@@ -6,7 +6,8 @@ token sequence; the branch then carries `teacher_logprobs`, which the sink turns
 (primerl.orchestrator.sink). Invariants:
 - scoring runs inside the rollout, beside the other rollouts in flight: dispatch never waits on it, and the rollout
   timeout bounds it as it bounds the rest of the rollout;
-- a request that fails is tried again (TEACHER_TRIES in all, waiting 1 s, then 2 s); a rollout the teacher could not
+- each branch goes to the teacher's server with the fewest requests in flight (`teacher.replicas`); a request that
+  fails is tried again on the next one (TEACHER_TRIES in all, waiting 1 s, then 2 s); a rollout the teacher could not
   score is a `RolloutFailure` marked `infrastructure`, never trained without its scores: the teacher server has its
   own supervisor (the inference process restarts it, and stops the run when it cannot come back), so its failures are
   not counted as the env's;
@@ -33,6 +34,10 @@ TEACHER_TRIES = 3
 TEACHER_BACKOFF_S = 1.0  # the first wait before a request is tried again; doubled each time
 
 
+class TeacherFailed(RuntimeError):
+    """A branch the teacher did not score: a request failed TEACHER_TRIES times, or its answer does not fit."""
+
+
 def check_same_tokenizer(student: str, teacher: str) -> None:
     """A ConfigError naming `teacher.path` unless both directories' tokenizers map the same text to the same ids
     (the same vocabulary and special tokens): the teacher scores the student's token ids as they are."""
@@ -48,12 +53,19 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
 
 
 class TeacherScoring:
-    """A `RolloutRunner`: `runner`'s rollouts, each trainable branch scored by the teacher at `client`. `seconds`:
-    time spent waiting for the teacher, summed over rollouts (`take_seconds` reads and resets it). `locate`: where the
-    teacher serves now (None: not known)."""
+    """A `RolloutRunner`: `runner`'s rollouts, each trainable branch scored by one of the teacher's servers
+    (`clients`): the one with the fewest requests in flight, and after a failure the next one. `seconds`: time spent
+    waiting for the teacher, summed over rollouts (`take_seconds` reads and resets it). `locate`: where the teacher's
+    servers serve now, in the clients' order (None: not known)."""
 
-    def __init__(self, runner: RolloutRunner, client: InferenceClient, locate: Callable[[], str | None] = lambda: None):
-        self.runner, self.client, self.locate = runner, client, locate
+    def __init__(
+        self,
+        runner: RolloutRunner,
+        clients: list[InferenceClient],
+        locate: Callable[[], list[str] | None] = lambda: None,
+    ):
+        self.runner, self.clients, self.locate = runner, clients, locate
+        self.in_flight = [0] * len(clients)
         self.seconds = 0.0
 
     async def run(self, task: Any, seed: int | None = None) -> list[Rollout | RolloutFailure]:
@@ -62,9 +74,8 @@ class TeacherScoring:
         started = time.perf_counter()
         try:
             scores = await asyncio.gather(*(self._score(branch) for branch in branches))
-        except (httpx.HTTPError, RuntimeError, KeyError, ValueError, TypeError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            return [RolloutFailure(f"teacher at {self.client.base_url} did not score it: {first}", infrastructure=True)]
+        except TeacherFailed as err:
+            return [RolloutFailure(str(err), infrastructure=True)]
         finally:
             self.seconds += time.perf_counter() - started
         for branch, score in zip(branches, scores, strict=True):
@@ -72,24 +83,32 @@ class TeacherScoring:
         return entries
 
     async def _score(self, branch: ScoredBranch) -> list[float]:
+        index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         for attempt in range(TEACHER_TRIES):
+            client = self.clients[index]
+            self.in_flight[index] += 1
             try:
-                scored = await self.client.prompt_logprobs(branch.token_ids)
-                break
-            except (httpx.HTTPError, RuntimeError):
-                if attempt == TEACHER_TRIES - 1:
-                    raise
-                await asyncio.sleep(TEACHER_BACKOFF_S * 2**attempt)
-                self._follow()
-        if len(scored) != len(branch.token_ids):
-            raise ValueError(f"{len(scored)} log-probs for {len(branch.token_ids)} tokens")
-        return [lp if sampled and lp is not None else 0.0 for lp, sampled in zip(scored, branch.sampled_mask)]
+                scored = await client.prompt_logprobs(branch.token_ids)
+                if len(scored) != len(branch.token_ids):
+                    raise ValueError(f"{len(scored)} log-probs for {len(branch.token_ids)} tokens")
+                return [lp if sampled and lp is not None else 0.0 for lp, sampled in zip(scored, branch.sampled_mask)]
+            except (httpx.HTTPError, RuntimeError, KeyError, ValueError, TypeError) as err:
+                if attempt == TEACHER_TRIES - 1 or isinstance(err, (KeyError, ValueError, TypeError)):
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                    raise TeacherFailed(f"teacher at {client.base_url} did not score it: {first}") from err
+            finally:
+                self.in_flight[index] -= 1
+            await asyncio.sleep(TEACHER_BACKOFF_S * 2**attempt)
+            self._follow()
+            index = (index + 1) % len(self.clients)
+        raise AssertionError("unreachable")
 
     def _follow(self) -> None:
-        url = self.locate()
-        if url is not None and url != self.client.base_url:
-            log.warning("the teacher moved: %s -> %s", self.client.base_url, url)
-            self.client.move_to(url)
+        urls = self.locate()
+        for client, url in zip(self.clients, urls or [], strict=False):
+            if url != client.base_url:
+                log.warning("the teacher moved: %s -> %s", client.base_url, url)
+                client.move_to(url)
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

@@ -42,7 +42,8 @@ def advertised_urls(run_dir: str | Path, inf: InferenceConfig, jobs: int = 1) ->
     return urls if any(urls) else None
 
 
-def advertised_url(run_dir: str | Path, role: str) -> str | None:
-    """The URL the one job of `role` (the teacher's) advertises, or None while it cannot be read."""
+def advertised_urls_of(run_dir: str | Path, role: str, servers: int) -> list[str] | None:
+    """The URLs of the `servers` the one job of `role` (the teacher's) serves on consecutive ports from the address it
+    advertises, or None while it cannot be read."""
     found = read_address(run_dir, 0, role)
-    return None if found is None else f"http://{found['host']}:{found['port']}"
+    return None if found is None else [f"http://{found['host']}:{found['port'] + i}" for i in range(servers)]
