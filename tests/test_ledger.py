@@ -39,6 +39,19 @@ def test_flatten_keeps_every_leaf():
     }
 
 
+def test_the_summary_section_takes_the_compared_metrics_of_each_process():
+    from primerl.ledger.follower import summary
+
+    assert summary("orchestrator", {"reward/mean": 0.5, "rollouts/ok": 64}) == {"reward": 0.5}
+    assert summary("trainer", {"loss": 0.1, "mismatch_kl": 2e-4, "entropy": 1.5, "grad_norm": 3.0}) == {
+        "loss": 0.1,
+        "mismatch_kl": 2e-4,
+        "entropy": 1.5,
+    }
+    row = {"env-a/reward_mean": 0.5, "env-a/tasks": 8, "env-b/reward_mean": 0.75}
+    assert summary("eval", row) == {"eval_reward.env-a": 0.5, "eval_reward.env-b": 0.75}
+
+
 def test_run_record_and_resume_continue_the_same_run(tmp_path):
     cfg, resolved = _cfg(tmp_path, "name=ledger_test", "seed=7")
     run_dir = tmp_path / "run"
@@ -74,6 +87,9 @@ def test_run_record_and_resume_continue_the_same_run(tmp_path):
     MetricsFollower(resumed.run_dir, [resumed]).poll()  # forwards only the new line
     history = client.get_metric_history(ledger.run_id, "trainer/loss")
     assert [(m.step, m.value) for m in history] == [(0, 0.5), (1, 0.25), (2, 0.125)]
+    # the compared metrics again in the section MLflow shows first, each once across the resume
+    summary = client.get_metric_history(ledger.run_id, "Summary/loss")
+    assert [(m.step, m.value) for m in summary] == [(0, 0.5), (1, 0.25), (2, 0.125)]
     assert client.get_metric_history(ledger.run_id, "trainer/bad") == []  # NaN is not a metric
 
 
@@ -442,6 +458,7 @@ def test_wandb_offline_records_the_same_params_metrics_and_samples_beside_mlflow
     trainer = [(row["trainer/step"], row["trainer/loss"]) for row in history if "trainer/loss" in row]
     assert trainer == [(0, 0.5), (1, 0.125)] and not any("trainer/grad_norm" in row for row in history)  # NaN: none
     assert [row["orchestrator/reward/mean"] for row in history if "orchestrator/reward/mean" in row] == [0.25]
+    assert [row["Summary/reward"] for row in history if "Summary/reward" in row] == [0.25]
     assert [row["sft/loss"] for row in history if "sft/loss" in row] == [2.0, 1.0]
     (table,) = [row for row in history if "rollouts/samples/_type" in row]  # a table: its fields, flattened
     assert table["rollouts/samples/_type"] == "table-file" and table["rollouts/samples/nrows"] == 1

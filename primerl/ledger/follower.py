@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER
+from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER, OrchestratorMetric, TrainerMetric
 from primerl.transport.atomic import write_json
 from primerl.transport.run_dir import ledger_offsets_path, metrics_path, samples_path
 from primerl.utils.log import get_logger
@@ -26,9 +26,32 @@ class Tracker(Protocol):
         the file), so a record that took it already before a crash can skip it."""
 
 
+# The few metrics researchers compare across runs, logged a second time in a section of their own: MLflow's run page
+# lays charts out in sections named by the key up to its last "/", in ASCII order (seen in MLflow 3.17's UI), so
+# "Summary" (uppercase) comes before every process's section, where the training reward sat ~15 charts down
+SUMMARY_PREFIX = "Summary/"
+SUMMARY = {
+    (ORCHESTRATOR, OrchestratorMetric.REWARD_MEAN): "reward",
+    (ORCHESTRATOR, OrchestratorMetric.TEACHER_KL): "teacher_kl",
+    (TRAINER, TrainerMetric.LOSS): "loss",
+    (TRAINER, TrainerMetric.MISMATCH_KL): "mismatch_kl",
+    (TRAINER, TrainerMetric.ENTROPY): "entropy",
+}
+EVAL_REWARD = "/reward_mean"  # an online eval row's `<env id>/reward_mean` (primerl.orchestrator.online_eval)
+
+
+def summary(process: str, row: dict) -> dict:
+    """The SUMMARY metrics of one metrics row, by their summary name; each eval env's reward as
+    `eval_reward.<env id>`."""
+    found = {name: row[key] for (owner, key), name in SUMMARY.items() if owner == process and key in row}
+    if process == EVAL:
+        found |= {f"eval_reward.{key[: -len(EVAL_REWARD)]}": v for key, v in row.items() if key.endswith(EVAL_REWARD)}
+    return found
+
+
 class MetricsFollower:
-    """Forwards new lines of each process's metrics JSONL to every tracker (prefix `<process>/`), and the sampled
-    rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`).
+    """Forwards new lines of each process's metrics JSONL to every tracker (prefix `<process>/`, and the SUMMARY ones
+    again under `Summary/`), and the sampled rollouts of every `sample_every`-th step (`rollouts/samples.jsonl`).
 
     The byte offsets already forwarded are kept in `<run>/ledger_offsets.json` (replaced atomically, after every
     sample): a resumed run forwards each line exactly once. A driver killed between a record taking a line and the
@@ -72,8 +95,11 @@ class MetricsFollower:
         for process in sorted(self.offsets.keys() - {self.SAMPLES}):
             for row, offset in self._new_rows(process, metrics_path(self.run_dir, process)):
                 step, stamp = row.pop("step"), row.pop("time", None)
+                stamp_ms, headline = int(stamp * 1000) if stamp else None, summary(process, row)
                 for tracker in self.trackers:
-                    tracker.log_metrics(step, row, f"{process}/", int(stamp * 1000) if stamp else None)
+                    tracker.log_metrics(step, row, f"{process}/", stamp_ms)
+                    if headline:
+                        tracker.log_metrics(step, headline, SUMMARY_PREFIX, stamp_ms)
                 self.offsets[process] = offset
         self._save_offsets()
         for row, offset in self._new_rows(self.SAMPLES, samples_path(self.run_dir)):
