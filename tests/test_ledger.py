@@ -400,7 +400,8 @@ def test_real_mlflow_server_on_loopback(tmp_path, caplog):
         run = client.get_run(ledger.run_id)
         assert run.data.metrics["orchestrator/reward/mean"] == 0.25 and run.info.status == "FINISHED"
         assert [a.path for a in client.list_artifacts(ledger.run_id)] == ["config", "note.txt"]
-        assert ledger.url() == f"http://127.0.0.1:{port}/#/experiments/{run.info.experiment_id}/runs/{ledger.run_id}"
+        page = f"http://127.0.0.1:{port}/#/experiments/{run.info.experiment_id}/runs/{ledger.run_id}"
+        assert ledger.url() == f"{page}?workflowType=machine_learning"
         assert json.loads((tmp_path / "run" / "ledger.json").read_text())["tracking_uri"].startswith("http://")
     finally:
         server.terminate()

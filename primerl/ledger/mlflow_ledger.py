@@ -43,6 +43,7 @@ adopt_logger("mlflow")  # its own handler and format, installed at import: prime
 
 MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND, TRAINING_VIEW = "mlflow.experimentKind", "custom_model_development"  # MLflow 3 UI's views
+TRAINING_VIEW_LINK = "workflowType=machine_learning"  # a UI link's query that opens the training view (MLflow 3.17)
 log = get_logger(__name__)
 
 
@@ -232,8 +233,9 @@ class Ledger:
         self.client.set_terminated(self.run_id, status=status)
 
     def url(self) -> str | None:
-        """The run's page in the MLflow UI, when the store is a tracking server."""
+        """The run's page in the MLflow UI, when the store is a tracking server, in the UI's training view: MLflow
+        3.17's UI opens in its GenAI view whatever the experiment's tag says, unless the link names the view."""
         uri = self.client.tracking_uri
         if not uri.startswith(("http://", "https://")):
             return None
-        return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}?{TRAINING_VIEW_LINK}"
