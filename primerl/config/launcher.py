@@ -47,9 +47,10 @@ class LauncherConfig:
     max_requeues: int = bounded(3, ge=0)  # requeues after a time-out; preemptions do not count
     # a job whose driver has not renewed its lease this long (a driver killed with -9) stops by itself
     driver_lease_s: float = bounded(300.0, ge=30)
-    # more sbatch options per job role (trainer, inference, prefill, decode, orchestrator, sft, teacher), as `--key=value`
-    # (`true`: a bare flag): placement on a real cluster, e.g. `+launcher.sbatch.inference.constraint=infer`,
-    # `...trainer.exclusive=true`, `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run (every
+    # more sbatch options per job role (trainer, inference, prefill, decode, orchestrator, sft, teacher), as
+    # `--key=value` (`true`: a bare flag): placement on a real cluster, e.g.
+    # `+launcher.sbatch.inference.constraint=infer`, `...trainer.exclusive=true`,
+    # `'+launcher.sbatch.trainer.exclude="node3"'`. Every inference job of a run (every
     # prefill job, every decode job) gets the same options.
     sbatch: dict[str, dict[str, Any]] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)  # shell lines run first in every job (module load, ...)

@@ -14,10 +14,10 @@ class TeacherConfig:
     path: str | None = None
     coef: float = bounded(1.0, gt=0)  # weight of the per-token reverse-KL advantage
     reward_weight: float = bounded(1.0, ge=0)  # weight of the reward advantage; 0: distillation alone
-    # the teacher's vLLM server(s): locally started by the inference process beside the policy's, on this port (None: the
-    # port after the replicas', inference.port + inference.replicas); under launcher=slurm a job of its own
-    # (`teacher`, placed by `launcher.sbatch.teacher`, `launcher.teacher_gpus` GPUs) on this port of its node (None: a
-    # free one), which it advertises to the orchestrator's job
+    # the teacher's vLLM server(s): locally started by the inference process beside the policy's, on this port
+    # (None: the port after the replicas', inference.port + inference.replicas); under launcher=slurm a job of its
+    # own (`teacher`, placed by `launcher.sbatch.teacher`, `launcher.teacher_gpus` GPUs) on this port of its node
+    # (None: a free one), which it advertises to the orchestrator's job
     port: int | None = bounded(None, ge=1, le=65535)
     # the teacher's servers, on consecutive ports from `port`; each branch goes to the one with the fewest requests
     # in flight, a failed request to another

@@ -1,10 +1,11 @@
 """`primerl inference`: serve the run's policy with vLLM until stopped (Ctrl-C / SIGTERM).
 
 Reads the `inference` and `model` groups. Serves the SFT warm-start checkpoint when `sft.enabled` and it exists,
-else the base model; with LoRA, the base model and the run's start adapter (primerl.launch.start). Prints the base URL once ready.
-`inference.replicas` servers start side by side; with prefill/decode a pair per replica and a router in front of each
-(primerl.inference.pd_router), or on SLURM one side of the pairs (`inference.pd.role`: the prefill job's servers, or
-the decode job's servers and the routers).
+else the base model; with LoRA, the base model and the run's start adapter (primerl.launch.start). Prints the base
+URL once ready. `inference.replicas` servers start side by side; with prefill/decode a pair per replica and a router
+in front of each (primerl.inference.pd_router), or on SLURM one side of the pairs (`inference.pd.role`: the prefill
+job's servers, or the decode job's servers and the routers). With `teacher.path` the teacher's servers start beside
+them, or under SLURM alone in the teacher's job (`teacher_specs`).
 
 A server that exits while serving (a crash, an OOM kill) is started again (the pool policy of primerl.utils.pool);
 the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
@@ -121,9 +122,9 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 def teacher_specs(cfg: RunConfig, model_path: str) -> list[ServerSpec]:
-    """With `teacher.path`, the teacher's servers (`teacher.replicas`): locally started and supervised with the replicas (in the process of
-    the first pair under prefill/decode), under SLURM by the teacher's own job (`teacher.alone`) and no other. It must
-    share the student's tokenizer."""
+    """With `teacher.path`, the teacher's servers (`teacher.replicas`): locally started and supervised with the
+    replicas (in the process of the first pair under prefill/decode), under SLURM by the teacher's own job
+    (`teacher.alone`) and no other. It must share the student's tokenizer."""
     if cfg.teacher.path is None or cfg.inference.pd.role == PdRole.prefill:
         return []
     if cfg.launcher.name == "slurm" and not cfg.teacher.alone:

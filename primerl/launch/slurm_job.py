@@ -14,9 +14,10 @@ Invariants:
   servers and a router per pair, and advertises the routers as inference job j. Pair i of job j is run-wide pair
   j*k + i (its KV store).
 - With `teacher.path` the teacher's job (`teacher`) serves it alone on `teacher.replicas` consecutive ports from
-  `teacher.port` of its node (None: free ones) and advertises the first (`inference_address_path(run, 0, "teacher")`); the orchestrator job waits for that address too
-  and is given it as `teacher.host` / `teacher.port`. A requeued teacher job advertises its new address, which the
-  orchestrator follows (primerl.orchestrator.teacher).
+  `teacher.port` of its node (None: free ones) and advertises the first (`inference_address_path(run, 0,
+  "teacher")`); the orchestrator job waits for that address too and is given it as `teacher.host` /
+  `teacher.port`. A requeued teacher job advertises its new address, which the orchestrator follows
+  (primerl.orchestrator.teacher).
 - The trainer's tasks rendezvous from SLURM's variables (MASTER_ADDR = first node of the job, RANK = SLURM_PROCID):
   no torchrun inside a job.
 - SLURM signals a job `launcher.signal_delay_s` before its time limit, or on preemption: the job stops its process

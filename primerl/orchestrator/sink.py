@@ -3,8 +3,9 @@
 Pure bookkeeping, no I/O, no awaits. A group's advantages come from its own usable rollouts (same task, dispatched
 under one policy version), scaled by `reward_weight`; a branch the teacher scored adds `distill_coef x (teacher -
 student log-prob)` on each sampled token (on-policy distillation: the reverse KL's per-token estimate, with the
-inference log-probs as the student's); each trainable branch of a rollout becomes one `Sample` carrying its group's dispatch
-version (the oldest policy that generated any of its tokens) and the version served when it finished.
+inference log-probs as the student's); each trainable branch of a rollout becomes one `Sample` carrying its group's
+dispatch version (the oldest policy that generated any of its tokens), the version served when it finished, and the
+experts the engine routed its tokens to, when it returned them (MoE routing replay).
 
 Invariants:
 - `cut(step)` first drops every buffered sample whose oldest version lags `step` by more than `max_off_policy_steps`,
