@@ -114,9 +114,12 @@ def test_prefill_and_decode_jobs_on_their_own_nodes_serve_a_run(slurm_nodes, cac
         "+launcher.sbatch.orchestrator.nodelist=node1",
     ]
     with _driver(run, *overrides, steps=steps) as (driver, out):
-        jobs = _job_ids(out, roles=("prefill", "decode", "teacher"))
-        _wait(lambda: _node_of(jobs["decode"]) or driver.poll() is not None, 300, out.read_text())
-        placed = {name: _node_of(jobs[name]) for name in ("prefill", "decode", "teacher")}
+        roles = ("prefill", "decode", "teacher")
+        jobs = _job_ids(out, roles=roles)
+        # all three serve until the run ends (the orchestrator waits for each one's address): a job still pending
+        # has no node yet
+        _wait(lambda: all(_node_of(jobs[name]) for name in roles) or driver.poll() is not None, 300, out.read_text())
+        placed = {name: _node_of(jobs[name]) for name in roles}
         driver.wait(timeout=900)
     text = out.read_text()
     assert driver.returncode == 0, text[-4000:]
