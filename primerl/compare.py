@@ -3,13 +3,14 @@
 Selects runs by experiment, sweep (parent run id or sweep directory) and an MLflow filter string, prints the
 settings that differ between them and their final metrics, and writes a PNG of their reward curves. With --by-seed,
 runs that differ only in their seed make one row: held-out reward per eval, minutes, samples trained per second and
-minutes to a target reward, each as mean [min, max] over the seeds.
+minutes to a target reward (and any metric's mean over each run, --mean), each as mean [min, max] over the seeds.
 
     python -m primerl.compare --experiment reverse_text
     python -m primerl.compare --sweep multirun/reverse_text/2026-12-02_10-00-00 --plot sweep.png
     python -m primerl.compare --filter "params.trainer.optim.lr = '3e-05'"
     python -m primerl.compare --rerun-of 0123456789abcdef0123456789abcdef
     python -m primerl.compare --sweep multirun/reverse_text/2026-12-02_10-00-00 --by-seed --target 0.95 --markdown
+    python -m primerl.compare --sweep multirun/off_policy --by-seed --mean trainer/mismatch_kl
 """
 
 import argparse
@@ -145,6 +146,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--target", type=float, default=0.95, help="--by-seed: the held-out reward timed (default: %(default)s)"
     )
+    parser.add_argument(
+        "--mean",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="--by-seed: a column of metric KEY's mean over each run's rows, e.g. trainer/mismatch_kl (repeatable)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     return parser
 
@@ -181,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def by_seed(client: MlflowClient, runs: list, keys: list[str], args: argparse.Namespace) -> int:
     keys = setting_keys(runs, keys)
-    groups = group([summarize(client, r, keys, args.target) for r in runs])
-    print(render(seed_table(groups, keys, args.target), args.markdown))
+    means = tuple(args.mean)
+    groups = group([summarize(client, r, keys, args.target, means) for r in runs])
+    print(render(seed_table(groups, keys, args.target, means), args.markdown))
     if args.plot:
         curves = mean_curves(groups, keys)
         means = {label: [(s, mean) for s, mean, _, _ in points] for label, points in curves.items()}

@@ -299,7 +299,7 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
         ledger = Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job)
         for step in range(3):
             ledger.log_metrics(step, {"reward/mean": 0.5}, "orchestrator/")
-            ledger.log_metrics(step, {"loss": 0.1}, "trainer/")
+            ledger.log_metrics(step, {"loss": 0.1, "mismatch_kl": (step + 1) * (seed + 1) * 1e-3}, "trainer/")
             time.sleep(0.01)  # the trainer rows span some time: samples per second are finite
         ledger.log_metrics(0, {"primerl-reverse-text/reward_mean": first}, "eval/")
         ledger.log_metrics(10, {"primerl-reverse-text/reward_mean": last}, "eval/")
@@ -314,6 +314,10 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
         "--markdown",
         "--target",
         "0.95",
+        "--mean",
+        "trainer/mismatch_kl",
+        "--mean",
+        "trainer/absent",
         "--plot",
         str(tmp_path / "seeds.png"),
         timeout=120,
@@ -326,10 +330,13 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
     assert rows.keys() == {"1e-05", "3e-05"}
     header = next(line for line in result.stdout.splitlines() if line.startswith("| trainer.optim.lr"))
     assert header.split(" | ")[1:4] == ["seeds", "eval v0", "eval v10"]
+    assert header.split(" | ")[-2:] == ["mean trainer/mismatch_kl", "mean trainer/absent |"]
+    # the mean over each run's three steps: seed 0 2e-3, seed 1 4e-3; a metric no run has is '-'
+    assert rows["1e-05"][-2:] == ["0.003 [0.002, 0.004]", "- |"]
     assert rows["1e-05"][1:4] == ["2", "0.3 [0.2, 0.4]", "0.7 [0.6, 0.8]"]
     assert rows["3e-05"][3] == "0.98 [0.96, 1]"
-    assert rows["1e-05"][-2] == "-" and rows["1e-05"][-1].strip(" |") == "-"  # target never reached
-    assert rows["3e-05"][-2] != "-" and rows["3e-05"][-1].strip(" |") == "10 [10, 10]"  # reached at v10
+    assert rows["1e-05"][-4] == "-" and rows["1e-05"][-3] == "-"  # target never reached
+    assert rows["3e-05"][-4] != "-" and rows["3e-05"][-3] == "10 [10, 10]"  # reached at v10
     assert float(rows["3e-05"][5].split()[0]) > 0  # samples trained per second
     assert (tmp_path / "seeds.png").stat().st_size > 1000
 

@@ -3,7 +3,7 @@
 Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by policy version), the minutes from its
 first batch to its end, the samples trained per second (batch size x trainer steps over the time between the first
 and the last trainer row), and the minutes from its first batch to its first eval at or above a target and that
-eval's policy version. Timed from
+eval's policy version, and the mean over its rows of any metrics asked for (`--mean trainer/mismatch_kl`). Timed from
 the first batch, not the run's start, so that the SFT warm-start (trained by the first run of a seed, read from the
 cache by the others) and the servers' start do not count.
 Per group of runs with the same settings but their seed: the mean and the range of each of those over the seeds.
@@ -30,6 +30,7 @@ class RunSummary:
     samples_per_s: float | None
     minutes_to_target: float | None
     step_to_target: int | None  # the policy version of the first eval at or above the target
+    means: dict[str, float | None]  # metric key -> the mean of its rows over the run (None: the run has none)
 
 
 def eval_metric(run) -> str | None:
@@ -37,7 +38,15 @@ def eval_metric(run) -> str | None:
     return next((m for m in sorted(run.data.metrics) if m.startswith("eval/") and m.endswith(REWARD_SUFFIX)), None)
 
 
-def summarize(client, run, keys: list[str], target: float) -> RunSummary:
+def run_mean(client, run, key: str) -> float | None:
+    """The mean of metric `key`'s rows over the run, one value per step (the last one logged at a step)."""
+    by_step = {
+        m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)
+    }
+    return statistics.mean(by_step.values()) if by_step else None
+
+
+def summarize(client, run, keys: list[str], target: float, means: tuple[str, ...] = ()) -> RunSummary:
     batches = client.get_metric_history(run.info.run_id, BATCH_REWARD)
     start, end = min((m.timestamp for m in batches), default=run.info.start_time), run.info.end_time
     metric = eval_metric(run)
@@ -53,6 +62,7 @@ def summarize(client, run, keys: list[str], target: float) -> RunSummary:
         samples_per_s=per_s if per_s and per_s > 0 else None,
         minutes_to_target=(reached.timestamp - start) / 60_000 if reached else None,
         step_to_target=reached.step if reached else None,
+        means={key: run_mean(client, run, key) for key in means},
     )
 
 
@@ -72,11 +82,12 @@ def group(summaries: list[RunSummary]) -> dict[tuple[str, ...], list[RunSummary]
     return groups
 
 
-def seed_table(groups: dict, keys: list[str], target: float) -> list[list[str]]:
-    """Rows (a header first) of the groups' summaries: one column per eval step any run has."""
+def seed_table(groups: dict, keys: list[str], target: float, means: tuple[str, ...] = ()) -> list[list[str]]:
+    """Rows (a header first) of the groups' summaries: one column per eval step any run has, then the times, then
+    one per metric in `means` (its mean over each run's rows)."""
     steps = sorted({step for runs in groups.values() for r in runs for step in r.evals})
     header = [*keys, "seeds", *(f"eval v{s}" for s in steps), "minutes", "samples/s"]
-    header += [f"minutes to eval >= {target:g}", f"step to eval >= {target:g}"]
+    header += [f"minutes to eval >= {target:g}", f"step to eval >= {target:g}", *(f"mean {k}" for k in means)]
     rows = [header]
     for settings, runs in groups.items():
         rows.append(
@@ -88,6 +99,7 @@ def seed_table(groups: dict, keys: list[str], target: float) -> list[list[str]]:
                 spread([r.samples_per_s for r in runs]),
                 spread([r.minutes_to_target for r in runs]),
                 spread([r.step_to_target for r in runs]),
+                *(spread([r.means.get(k) for r in runs]) for k in means),
             ]
         )
     return rows
