@@ -13,6 +13,7 @@ import pytest
 
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.orchestrator import fanout
+from primerl.orchestrator.health import Health
 from primerl.orchestrator.inference_client import Loaded, NotProven
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
@@ -656,6 +657,34 @@ def test_a_replica_slow_to_load_is_taken_out_and_the_others_serve_the_version_wi
         await until(lambda: replicas.up == [True] * 4)
         assert servers[3].served == 1 and not servers[3].paused and servers[3].loads == [1]
         task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_goes_silent_during_a_load_is_out_within_its_liveness_limit(tmp_path):
+    """A replica's node is lost in the middle of a load: its server neither answers nor refuses anything more, so its
+    load would wait out the whole HTTP timeout, and with it the version and the health round. The health round goes
+    on during the load: the silent replica is marked down within its liveness limit, its load is cut, and the version
+    advances on the other replica at once (not after the straggler cut's 10 s)."""
+    servers, replicas, _, _ = replica_set(2)
+    replicas.liveness = Liveness("inference replicas", 0.3, 0.3, tick_s=0.1)
+    servers[0].load_s = 60.0
+    policy = Policy()
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
+    watcher.health = Health(replicas, every_s=0.1)
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        publish(tmp_path, 1)
+        await until(lambda: servers[0].paused)  # its load began
+        lost = time.monotonic()
+        servers[0].hung = True
+        await until(lambda: policy.version == 1, timeout_s=5.0)
+        assert time.monotonic() - lost < 3.0, "the version waited for the silent replica's load"
+        assert replicas.up == [False, True] and servers[1].served == 1
+        assert not task.done()  # the watcher goes on (the silent one's recovery waits for it)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(main())
 

@@ -6,12 +6,13 @@ primerl.orchestrator.inference_client), then advances `Policy` and calls `on_cha
 batch cut and wakes the dispatcher). Versions in between are skipped: a server only ever needs the newest.
 
 Health (primerl.orchestrator.health): each up replica that showed no other sign of life is probed about once per
-HEALTH_EVERY_S, a slice of them per tick; every up replica after a group whose every rollout failed
-(`check_health()`) and after a failed load. One that refuses (nothing listens, an error status), or has shown no sign
-of life for the replicas' liveness limit, is marked down and gets new rollouts no more. A replica marked down (here,
-or by the runner) is brought back in the background (primerl.orchestrator.recovery).
-While no replica is up, admission stops (`serving` false). Invariant: every replica marked up serves
-`Policy.version`. Rollouts that failed meanwhile are counted failures; no step is skipped.
+HEALTH_EVERY_S, a slice of them per tick, during a load too; every up replica after a group whose every rollout failed
+(`check_health()`) and after a failed load. One that refuses (nothing listens, an error status), or has shown no sign of
+life for the replicas' liveness limit, is marked down and gets new rollouts no more; a load in flight to it is cut (a
+node lost mid-load answers nothing, and would hold the version for the load's whole timeout). A replica marked down
+(here, or by the runner) is brought back in the background (primerl.orchestrator.recovery). While no replica is up,
+admission stops (`serving` false). Invariant: every replica marked up serves `Policy.version`. Rollouts that failed
+meanwhile are counted failures; no step is skipped.
 
 Collective offers (primerl.transport.collective): every offer gets an answer, the groups of the replicas that take
 it (none when every replica serves it already), or the trainer would wait for ever. A replica that comes back while
@@ -28,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -45,9 +47,15 @@ from primerl.transport.weights import (
 )
 from primerl.utils.errors import RunError
 from primerl.utils.log import get_logger
+from primerl.utils.pool import LOST, race
 
 log = get_logger(__name__)
 MAX_LOAD_FAILURES = 3  # in a row, on replicas that answer /health: weights they refuse end the run
+T = TypeVar("T")
+
+
+class ReplicaLost(RuntimeError):
+    """A replica's load cut because the replica was marked down meanwhile."""
 
 
 class Watcher:
@@ -109,7 +117,7 @@ class Watcher:
                         await self.probe()
                     else:
                         await self.probe(self.health.due())
-                    await self._to_the_end(self.update())
+                    await self._to_the_end(self._probing(self.update()))
                 except (httpx.HTTPError, RuntimeError) as err:
                     self._load_failures += 1
                     if self._load_failures >= MAX_LOAD_FAILURES:
@@ -138,6 +146,26 @@ class Watcher:
         except asyncio.CancelledError:
             await asyncio.wait([task], timeout=2 * self.transfer_timeout_s + 30)
             raise
+
+    async def _probing(self, update: Awaitable[None]) -> None:
+        """`update`, with the health round going on meanwhile: a replica that goes silent during a load (its node
+        lost: no answer and no refusal, so its load would wait out its whole timeout) is marked down within its
+        liveness limit, and its load is cut (`_while_up`). Its recovery starts after the update."""
+        task = asyncio.ensure_future(update)
+        while not task.done():
+            await asyncio.wait([task], timeout=self.poll_s)
+            if not task.done():
+                await self.health.probe(self.health.due())
+        task.result()
+
+    async def _while_up(self, index: int, load: Awaitable[T]) -> T:
+        """`load` of replica `index`, cut with ReplicaLost if the replica, up when it began, is marked down first."""
+        if not self.replicas.up[index]:  # a joining replica: nothing to watch
+            return await load
+        result = await race(load, self.replicas.wait_down(index))
+        if result is LOST:
+            raise ReplicaLost(f"inference replica {index} went down during the load")
+        return result
 
     async def probe(self, indices: list[int] | None = None) -> None:
         """Health-check `indices` (None: every up replica), then start the recovery of any marked down."""
@@ -171,11 +199,13 @@ class Watcher:
         started = time.monotonic()
         results = await fan_out(
             targets,
-            lambda i: self.replicas.clients[i].load_weights(path, version, groups.get(i, "")),
+            lambda i: self._while_up(i, self.replicas.clients[i].load_weights(path, version, groups.get(i, ""))),
             None if groups else FILE_LOADS_AT_ONCE,
         )
         loaded = []
         for index, result in results.items():
+            if isinstance(result, ReplicaLost):
+                continue  # marked down by the health round; its recovery follows
             if isinstance(result, Straggler):
                 self._fail(index, f"v{version} {result}")
                 continue
