@@ -3,13 +3,15 @@ each node's slurmd in its own network namespace with its own address on a bridge
 (tests.conftest.slurm_cluster, shared with tests/test_slurm.py)."""
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from primerl.metrics import read_metrics
-from tests.conftest import SLURM_NODES
+from tests.conftest import SLURM_CLUSTER, SLURM_NODES
 from tests.test_slurm import _driver, _job_ids, _slurm, _wait, _wait_for_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
@@ -25,13 +27,29 @@ def _node_of(job_id: str) -> str:
     return _slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()
 
 
-def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_requeued_to_another_node(
+def _state(job_id: str) -> str:
+    return _slurm("squeue", "-h", "-j", job_id, "-o", "%T").strip()
+
+
+def _cluster(*args: str) -> None:
+    env = {
+        **os.environ,
+        "PRIMERL_SLURM_NODES": str(SLURM_NODES),
+        "PRIMERL_SLURM_DIR": f"/tmp/primerl-slurm-{SLURM_NODES}",
+    }
+    done = subprocess.run([str(SLURM_CLUSTER), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+
+
+def test_trainer_on_two_nodes_survives_a_preemption_and_a_lost_node_whose_server_comes_back_on_another(
     slurm_nodes, cache_dir, tmp_path
 ):
     """FSDP2 over gloo between two nodes' namespaces (node1, node2); two inference jobs, one replica each, on the
-    third node (placed there by `launcher.sbatch`); the trainer is preempted (USR2, it requeues itself and resumes
-    from its checkpoint); the first inference job is requeued and kept off its node, so it comes back on another one,
-    while the second serves on; the orchestrator follows the first there. Every step is trained once."""
+    third node (placed there by `launcher.sbatch`). Then, at once, the trainer is preempted (USR2, it requeues itself
+    and resumes from its checkpoint) and the third node is lost whole (`cluster.sh lose-node`: its link cut, every
+    process on it killed -9). slurmctld marks it down and requeues both inference jobs; the driver goes on (sacct may
+    still say NODE_FAIL: the queue decides). The first is let off the lost node, so it comes back on another one; the
+    node is restored, and the second comes back there. The orchestrator follows both. Every step is trained once."""
     run = tmp_path / "run"
     overrides = [
         "launcher.trainer_nodes=2",
@@ -40,10 +58,10 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
         "inference.replicas=2",
         "launcher.inference_jobs=2",
         "+launcher.sbatch.trainer.exclude=node3",
+        "+launcher.sbatch.orchestrator.exclude=node3",  # it lives through the loss, and follows the servers
         '+launcher.sbatch.inference.exclude="node[1-2]"',
     ]
-    # the run must outlast the requeued inference job's return: its new address comes ~17 s after the requeue. With
-    # 4 steps the trainer, back 8 s after its preemption, once finished before that; steps take ~1 s here
+    # the run must outlast the lost node's notice (~30-60 s) and a server's return; steps take ~1 s here
     steps = 24
     with _driver(run, *overrides, steps=steps) as (driver, out):
         jobs = _job_ids(out)
@@ -51,8 +69,12 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
         first_node = _node_of(jobs["inference"])
         placed = {name: _node_of(jobs[name]) for name in ("trainer", "inference", "inference-1")}
         _slurm("scancel", "--signal=USR2", jobs["trainer"])
-        _slurm("scontrol", "requeue", jobs["inference"])  # as SLURM does after a node failure
+        _cluster("lose-node", first_node.removeprefix("node"))
+        # SlurmdTimeout (30 s on the test cluster), then both jobs are requeued: pending, the lost node down
+        requeued = lambda: all(_state(jobs[n]) in ("PENDING", "REQUEUED") for n in ("inference", "inference-1"))  # noqa: E731
+        _wait(lambda: requeued() or driver.poll() is not None, 300, out.read_text())
         _slurm("scontrol", "update", f"JobId={jobs['inference']}", f"ExcNodeList={first_node}")
+        _cluster("restore-node", first_node.removeprefix("node"))
         driver.wait(timeout=900)
     text = out.read_text()
     assert driver.returncode == 0, text[-4000:]
@@ -68,8 +90,8 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
     orchestrator_log = (run / "logs" / "orchestrator.log").read_text()
     moved = re.search(r"inference replica 0 moved: http://(\S+):\d+ -> http://(\S+):\d+", orchestrator_log)
     assert moved and moved.group(1) == first_node != moved.group(2), orchestrator_log[-3000:]
-    # both jobs' replicas served from the start, each advertised in its own file. Whether the moved one is back
-    # before the last step depends on timing (the other serves meanwhile); its reload is tested in test_replicas.py
+    # both jobs' replicas served from the start, each advertised in its own file. Whether the second is back before
+    # the last step depends on timing (the first serves by then); a replica's reload is tested in test_replicas.py
     # and test_faults.py.
     assert read_metrics(run, "orchestrator")[0]["inference/replicas_up"] == 2
     assert json.loads((run / "inference_address.1.json").read_text())["job_id"] == jobs["inference-1"]
@@ -78,8 +100,8 @@ def test_trainer_on_two_nodes_survives_a_preemption_and_follows_the_server_reque
         {
             "trainer": ["REQUEUED", "COMPLETED"],
             "orchestrator": ["COMPLETED"],
-            "inference": ["REQUEUED", "CANCELLED"],
-            "inference-1": ["CANCELLED"],
+            "inference": ["NODE_FAIL", "CANCELLED"],
+            "inference-1": ["NODE_FAIL", "CANCELLED"],
         },
     )
     record = json.loads((run / "ledger.json").read_text())

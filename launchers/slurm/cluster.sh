@@ -5,6 +5,9 @@
 #   launchers/slurm/cluster.sh start    # install what is missing, write configs, start the daemons, wait for the node
 #   launchers/slurm/cluster.sh stop     # cancel every job, stop the daemons (state stays in $PRIMERL_SLURM_DIR)
 #   launchers/slurm/cluster.sh status   # sinfo + squeue
+#   launchers/slurm/cluster.sh lose-node I      # node I lost whole (multi-node only): its link cut, every process in it
+#                                               # killed -9, slurmd included; slurmctld notices after SlurmdTimeout
+#   launchers/slurm/cluster.sh restore-node I   # its link back and its slurmd started: it returns to service
 #   eval "$(launchers/slurm/cluster.sh env)"   # SLURM_CONF for sbatch/squeue/sacct in this shell
 #
 # Everything lives in $PRIMERL_SLURM_DIR (default /tmp/primerl-slurm). Clients find the cluster through SLURM_CONF.
@@ -146,6 +149,8 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
 KillWait=10
+# A node that stops answering is DOWN after this long (default 300 s), and its jobs are requeued elsewhere
+SlurmdTimeout=30
 # A requeued job waits cred_expire seconds (default 120) before it may start, and pending jobs are looked at every
 # sched_interval seconds (default 60): a development cluster wants both short.
 AuthInfo=cred_expire=10
@@ -218,6 +223,23 @@ start() {
   log "up: $(sinfo -h -o '%P %D %T %c CPUs %N')  (export SLURM_CONF=$SLURM_CONF)"
 }
 
+lose_node() {  # lose_node I: what a node that loses power does to the cluster, on node I's namespace
+  local name=primerl-node$1
+  [ "$NODES" -gt 1 ] && ip netns list | grep -qw "$name" || { log "no node $1 to lose"; exit 2; }
+  ip link set "veth-$1" down
+  ip netns pids "$name" | xargs -r kill -9
+  rm -f "$DIR/run/slurmd-node$1.pid"
+  log "node$1 lost: its link is down and its processes are killed"
+}
+
+restore_node() {  # restore_node I: node I's link back and its slurmd started (ReturnToService=2 takes it back)
+  [ "$NODES" -gt 1 ] || { log "no node $1 to restore"; exit 2; }
+  ip link set "veth-$1" up
+  in_ns "primerl-node$1" slurmd -N "node$1"
+  wait_for 60 "node$1" bash -c "sinfo -h -n node$1 --responding -o %T | grep -qE '^(idle|mixed|allocated)$'"
+  log "node$1 restored"
+}
+
 stop_pidfile() {
   local pidfile=$DIR/run/$1.pid
   [ -f "$pidfile" ] || return 0
@@ -240,5 +262,7 @@ case "${1:-}" in
   stop) stop ;;
   status) sinfo; squeue ;;
   env) echo "export SLURM_CONF=$SLURM_CONF" ;;
-  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+  lose-node) lose_node "${2:?node index}" ;;
+  restore-node) restore_node "${2:?node index}" ;;
+  *) echo "usage: $0 start|stop|status|env|lose-node I|restore-node I" >&2; exit 2 ;;
 esac

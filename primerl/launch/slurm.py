@@ -9,11 +9,14 @@ Invariants:
   `launcher.inference_gpus`. With `teacher.path` one more job, `teacher`, serves the teacher
   (`launcher.teacher_gpus`, `launcher.sbatch.teacher`); the orchestrator waits for its address too.
 - A job that ends in any state but COMPLETED (failed, cancelled, timed out, out of memory, node failure) cancels the
-  other jobs, and the driver exits 1 naming the job, its state and its last log lines.
+  other jobs, and the driver exits 1 naming the job, its state and its last log lines. Unless SLURM took it back: a
+  job whose node failed is requeued by SLURM (JobRequeue=1, its default) and runs again elsewhere, while sacct, which
+  submitit reads, may still report the failed start; the controller's own queue (`squeue`) decides then.
 - While it lives the driver renews its lease; a job whose driver is gone (killed with -9) stops by itself after
   `launcher.driver_lease_s` (primerl.launch.lease).
 """
 
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +49,35 @@ LIVE_STATES = {
     "STAGE_OUT",
     "UNKNOWN",
 }
+SLURM_QUERY_TIMEOUT_S = 30.0
+
+
+def job_states(job_ids: list[str]) -> dict[str, str]:
+    """Each job's state by its latest accounting record (sacct without -D: a requeued job's earlier starts are not
+    its state); {} when sacct cannot say (the accounting daemon busy: asked again at the next poll)."""
+    if not job_ids:
+        return {}
+    command = ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode != 0:
+        return {}
+    return dict(line.split("|", 1) for line in out.stdout.splitlines() if "|" in line)
+
+
+def queued_state(job_id: str) -> str | None:
+    """The job's state in the controller's queue when it is there and live (requeued after a node failure: PENDING,
+    then RUNNING); None when it is not, or squeue cannot say."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=SLURM_QUERY_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    states = out.stdout.split() if out.returncode == 0 else []
+    return states[0] if states and states[0] in LIVE_STATES else None
 
 
 @dataclass
@@ -54,6 +86,8 @@ class SlurmLauncher:
     run_dir: Path
     jobs: dict[str, submitit.Job] = field(default_factory=dict)
     lease: DriverLease | None = None
+    requeued: set[tuple[str, str]] = field(default_factory=set)  # (job id, ended state) already logged as requeued
+    states: dict[str, str] = field(default_factory=dict)  # job id -> its state by its latest accounting record
 
     @property
     def poll_s(self) -> float:
@@ -176,18 +210,24 @@ class SlurmLauncher:
     def _ended_well(self, name: str) -> bool:
         """True when the job COMPLETED; raise ChildFailed when it ended any other way."""
         job = self.jobs[name]
-        state = job.state.split(" ")[0]  # e.g. "CANCELLED by 0"
+        shown = self.states.get(job.job_id, "UNKNOWN")  # e.g. "CANCELLED by 0"; not in the books yet: unknown
+        state = shown.split(" ")[0]
         if state == "COMPLETED":
             return True
         if state in LIVE_STATES:
             return False
-        log = log_path(self.run_dir, name)
-        raise ChildFailed(f"{name} (SLURM job {job.job_id}) ended {job.state}; last lines of {log}:\n{log_tail(log)}")
+        if (queued := queued_state(job.job_id)) is not None:
+            if (job.job_id, state) not in self.requeued:
+                self.requeued.add((job.job_id, state))
+                log.info(f"{name} (SLURM job {job.job_id}) ended {state} and SLURM requeued it: {queued}")
+            return False
+        path = log_path(self.run_dir, name)
+        raise ChildFailed(f"{name} (SLURM job {job.job_id}) ended {shown}; last lines of {path}:\n{log_tail(path)}")
 
-    @staticmethod
-    def _refresh() -> None:
-        """One sacct call for all jobs: submitit's own refresh slows down to one every several minutes."""
-        submitit.SlurmJob.watcher.update()
+    def _refresh(self) -> None:
+        """Every job's state in one sacct call (submitit's own refresh slows down to one every several minutes, and
+        keeps the first ended state it saw for good: a start that failed with its node, for a job requeued since)."""
+        self.states = job_states([job.job_id for job in self.jobs.values()]) or self.states
 
     def finished(self) -> bool:
         self._refresh()
@@ -200,7 +240,9 @@ class SlurmLauncher:
     def stop_all(self) -> None:
         if self.lease is not None:
             self.lease.stop()
+        self._refresh()
         for name, job in self.jobs.items():
-            if job.state.split(" ")[0] in LIVE_STATES:
+            state = self.states.get(job.job_id, "UNKNOWN").split(" ")[0]
+            if state in LIVE_STATES or queued_state(job.job_id) is not None:
                 job.cancel(check=False)
                 log.info(f"cancelled {name} (SLURM job {job.job_id})")
