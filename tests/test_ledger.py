@@ -295,14 +295,16 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
     sweep = tmp_path / "sweep"
     evals = {("1e-5", 0): (0.2, 0.6), ("1e-5", 1): (0.4, 0.8), ("3e-5", 0): (0.2, 0.96), ("3e-5", 1): (0.4, 1.0)}
     for job, ((lr, seed), (first, last)) in enumerate(evals.items()):
-        cfg, resolved = _cfg(tmp_path, "name=seeds", f"trainer.optim.lr={lr}", f"seed={seed}")
+        cfg, resolved = _cfg(tmp_path, "name=seeds", f"trainer.optim.lr={lr}", f"seed={seed}", "eval.every=10")
         ledger = Ledger.open(cfg, resolved, sweep / str(job), sweep_dir=sweep, job_num=job)
         for step in range(3):
             ledger.log_metrics(step, {"reward/mean": 0.5}, "orchestrator/")
             ledger.log_metrics(step, {"loss": 0.1, "mismatch_kl": (step + 1) * (seed + 1) * 1e-3}, "trainer/")
             time.sleep(0.01)  # the trainer rows span some time: samples per second are finite
         ledger.log_metrics(0, {"primerl-reverse-text/reward_mean": first}, "eval/")
-        ledger.log_metrics(10, {"primerl-reverse-text/reward_mean": last}, "eval/")
+        # the eval due at v10 ran at the first version served past it, v12 in one run: compared as v10
+        due = 12 if job == 3 else 10
+        ledger.log_metrics(due, {"primerl-reverse-text/reward_mean": last}, "eval/")
         ledger.finish()
     result = run_module(
         "primerl.compare",
@@ -336,7 +338,7 @@ def test_compare_by_seed_gives_each_setting_its_mean_and_range_over_seeds(tmp_pa
     assert rows["1e-05"][1:4] == ["2", "0.3 [0.2, 0.4]", "0.7 [0.6, 0.8]"]
     assert rows["3e-05"][3] == "0.98 [0.96, 1]"
     assert rows["1e-05"][-4] == "-" and rows["1e-05"][-3] == "-"  # target never reached
-    assert rows["3e-05"][-4] != "-" and rows["3e-05"][-3] == "10 [10, 10]"  # reached at v10
+    assert rows["3e-05"][-4] != "-" and rows["3e-05"][-3] == "11 [10, 12]"  # reached at v10 and v12
     assert float(rows["3e-05"][5].split()[0]) > 0  # samples trained per second
     assert (tmp_path / "seeds.png").stat().st_size > 1000
 

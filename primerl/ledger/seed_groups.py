@@ -1,6 +1,8 @@
 """Runs that differ only in their seed, summarised together: what `primerl compare --by-seed` prints.
 
-Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by policy version), the minutes from its
+Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by the policy version it was due at: an
+eval due at a multiple of `eval.every` runs at the first version served at or past it, which can be a version or two
+later when the replicas skip versions, so runs are compared mark by mark), the minutes from its
 first batch to its end, the samples trained per second (batch size x trainer steps over the time between the first
 and the last trainer row), and the minutes from its first batch to its first eval at or above a target and that
 eval's policy version, and the mean over its rows of any metrics asked for (`--mean trainer/mismatch_kl`). Timed from
@@ -46,6 +48,17 @@ def run_mean(client, run, key: str) -> float | None:
     return statistics.mean(by_step.values()) if by_step else None
 
 
+def due_evals(run, history: list) -> dict[int, float]:
+    """Each eval's reward under the version it was due at: the multiple of `eval.every` at or below the version it
+    ran on (the first one served at or past the mark), or `trainer.max_steps` for the last."""
+    every = int(run.data.params.get("eval.every") or 0)
+    last = int(run.data.params.get("trainer.max_steps") or -1)
+    evals: dict[int, float] = {}
+    for m in history:
+        evals.setdefault(m.step if not every or m.step == last else m.step // every * every, m.value)
+    return evals
+
+
 def summarize(client, run, keys: list[str], target: float, means: tuple[str, ...] = ()) -> RunSummary:
     batches = client.get_metric_history(run.info.run_id, BATCH_REWARD)
     start, end = min((m.timestamp for m in batches), default=run.info.start_time), run.info.end_time
@@ -57,7 +70,7 @@ def summarize(client, run, keys: list[str], target: float, means: tuple[str, ...
     per_s = batch_size * (len(steps) - 1) / ((steps[-1] - steps[0]) / 1000) if len(steps) > 1 else None
     return RunSummary(
         settings=tuple(run.data.params.get(k, "-") for k in keys),
-        evals={m.step: m.value for m in history},
+        evals=due_evals(run, history),
         minutes=(end - start) / 60_000 if end else None,
         samples_per_s=per_s if per_s and per_s > 0 else None,
         minutes_to_target=(reached.timestamp - start) / 60_000 if reached else None,
