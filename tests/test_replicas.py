@@ -15,6 +15,7 @@ from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.orchestrator import fanout
 from primerl.orchestrator.health import Health
 from primerl.orchestrator.inference_client import Loaded, NotProven
+from primerl.orchestrator.orchestrator import served_policy
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
 from primerl.orchestrator.watcher import Watcher
@@ -387,6 +388,35 @@ def test_a_requeued_replica_is_followed_to_its_new_address(tmp_path):
         assert all(isinstance(r[0], Rollout) for r in results) and len(runner.runners[0].tasks) == 2
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_replica_requeued_before_it_first_served_is_followed_at_start(tmp_path):
+    """The orchestrator starts while replica 0's node is lost: its job is requeued before its server ever answered,
+    and advertises its new address. The start's wait follows it there (as recovery does later), and rollouts built
+    for the new address reach it; it does not wait out inference.startup_timeout_s at the old one."""
+    servers = [FakeServer("node2:8000"), FakeServer("node3:8000")]
+    replicas, built = Replicas(servers), []
+
+    def runner_for(url: str) -> ServerRunner:
+        built.append(url)
+        return ServerRunner(next(s for s in servers if s.base_url == url))
+
+    runner = ReplicaRunner([ServerRunner(s) for s in servers], replicas, runner_for)
+    servers[0].address = "http://node1:8123"  # where the requeued job serves
+    advertised = [None, servers[1].base_url]  # not yet written
+
+    async def main():
+        waiting = asyncio.ensure_future(served_policy(replicas, 3.0, lambda: list(advertised)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        advertised[0] = "http://node1:8123"
+        policy = await asyncio.wait_for(waiting, 2.0)
+        assert policy.version == 0 and replicas.up == [True, True] and servers[0].base_url == "http://node1:8123"
+        assert built == ["http://node1:8123"]
+        results = await asyncio.gather(*(runner.run(i) for i in range(4)))
+        assert all(isinstance(r[0], Rollout) for r in results) and len(runner.runners[0].tasks) == 2
 
     asyncio.run(main())
 

@@ -113,21 +113,39 @@ def batch_writer(cfg: OrchestratorSections, model_path: str) -> BatchWriter:
     )
 
 
-async def served_policy(replicas: "Replicas", startup_timeout_s: float) -> Policy:
-    """Once every replica answers: the oldest version they serve (the others get the newest at watcher.update())."""
-    await asyncio.gather(*(client.wait_healthy(startup_timeout_s) for client in replicas.clients))
+async def served_policy(
+    replicas: "Replicas", startup_timeout_s: float, addresses: Callable[[], list[str | None] | None] = lambda: None
+) -> Policy:
+    """Once every replica answers: the oldest version they serve (the others get the newest at watcher.update()). A
+    replica whose inference job is advertised elsewhere meanwhile (requeued under SLURM before it served: its node
+    lost) is followed there, as the watcher's recovery follows one later."""
+
+    def follow(index: int) -> None:
+        if url := replicas.advertised_elsewhere(index, addresses()):
+            replicas.mark_down(index, "its inference job was requeued before it served")
+            replicas.move(index, url)
+            replicas.mark_up(index)
+
+    waits = (client.wait_healthy(startup_timeout_s, lambda i=i: follow(i)) for i, client in enumerate(replicas.clients))
+    await asyncio.gather(*waits)
     return Policy(min({await client.policy_version() for client in replicas.clients}))
+
+
+def replica_addresses(cfg: OrchestratorSections) -> Callable[[], list[str | None] | None]:
+    """The replicas' advertised URLs (primerl.transport.address), read again at each call."""
+    from primerl.transport.address import advertised_urls
+
+    run_dir, inf, jobs = Path(cfg.output_dir), cfg.inference, inference_jobs(cfg)
+    return lambda: advertised_urls(run_dir, inf, jobs)
 
 
 def make_watcher(
     cfg: OrchestratorSections, replicas: "Replicas", policy: Policy, online_eval: "OnlineEval | None"
 ) -> "Watcher":
     from primerl.orchestrator.watcher import Watcher
-    from primerl.transport.address import advertised_urls
 
     run_dir, inf = Path(cfg.output_dir), cfg.inference
     before_load = online_eval.before_load if online_eval else None
-    addresses = lambda: advertised_urls(run_dir, inf, inference_jobs(cfg))  # noqa: E731 - read again at each recovery
     return Watcher(
         run_dir,
         replicas,
@@ -135,7 +153,7 @@ def make_watcher(
         cfg.orchestrator.weight_poll_s,
         inf.startup_timeout_s,
         before_load=before_load,
-        addresses=addresses,
+        addresses=replica_addresses(cfg),
         transfer_timeout_s=cfg.weights.timeout_s,
     )
 
@@ -161,7 +179,7 @@ async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
         teacher = await teacher_scoring(cfg, stack, runner)
         runner = teacher or runner
         online_eval = await online_evals(cfg, model_path, run_dir, stack, replicas, pools)
-        policy = await served_policy(replicas, cfg.inference.startup_timeout_s)
+        policy = await served_policy(replicas, cfg.inference.startup_timeout_s, replica_addresses(cfg))
         watcher = make_watcher(cfg, replicas, policy, online_eval)
         idle = IdleSampler(replicas.running_requests)
         meter = CutMeter(env_names, idle, replicas, pools, teacher)

@@ -76,9 +76,8 @@ class Recovery:
 
     def _follow(self, index: int) -> None:
         """Point down replica `index` at its advertised address when that changed (its job was requeued)."""
-        urls = self.addresses()
-        if urls and index < len(urls) and urls[index] and urls[index] != self.replicas.clients[index].base_url:
-            self.replicas.move(index, urls[index])
+        if url := self.replicas.advertised_elsewhere(index, self.addresses()):
+            self.replicas.move(index, url)
 
     async def _join_next(self, index: int) -> bool:
         """Wait until the next offer's load included replica `index`; whether it took it."""

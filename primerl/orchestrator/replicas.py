@@ -80,6 +80,12 @@ class Replicas:
     async def wait_down(self, index: int) -> None:
         await self._went_down[index].wait()
 
+    def advertised_elsewhere(self, index: int, urls: list[str | None] | None) -> str | None:
+        """The address replica `index` is advertised at in `urls` (its inference job's), when that is not where its
+        client points: the job was requeued, to another node or port."""
+        url = urls[index] if urls and index < len(urls) else None
+        return url if url and url != self.clients[index].base_url else None
+
     def move(self, index: int, base_url: str) -> None:
         """Replica `index` now serves at `base_url` (a requeued SLURM job on another node or port); only while down."""
         assert not self.up[index], "a replica moves only while it is down"
