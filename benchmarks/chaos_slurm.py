@@ -28,6 +28,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from benchmarks.chaos_checks import check_steps
 from benchmarks.chaos_faults import ROOT, wait_for
 from primerl.launch.leftovers import run_processes
 from primerl.metrics import TRAINER, read_metrics
+from primerl.utils.secrets import API_KEY_ENV
 
 KINDS = ("driver", "node_lost")
 NODES = 3
@@ -82,7 +84,6 @@ class SlurmSoak:
             "orchestrator.group_size=4",
             "inference.port=0",
             "inference.host=0.0.0.0",
-            "inference.api_key=soak-key",
             '+launcher.sbatch.trainer.exclude="node[2-3]"',
             '+launcher.sbatch.orchestrator.exclude="node[2-3]"',
             "+launcher.sbatch.inference.exclude=node1",
@@ -96,6 +97,8 @@ class SlurmSoak:
         self.incarnations = 0
         self.driver: subprocess.Popen | None = None
         self.jobs: set[str] = set()
+        # the servers bind every address of their node: they need a key, given in the environment, not in argv
+        self.env = {**os.environ, API_KEY_ENV: secrets.token_hex(16)}
 
     def steps(self) -> int:
         return len(read_metrics(self.run, TRAINER))
@@ -107,7 +110,7 @@ class SlurmSoak:
         self.incarnations += 1
         with open(self.log(), "w") as out:
             self.driver = subprocess.Popen(
-                self.cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                self.cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
             )
 
     def job_ids(self) -> dict[str, str]:

@@ -14,7 +14,7 @@ import pytest
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.orchestrator import fanout
 from primerl.orchestrator.health import Health
-from primerl.orchestrator.inference_client import Loaded, NotProven
+from primerl.orchestrator.inference_client import InferenceClient, Loaded, NotProven
 from primerl.orchestrator.orchestrator import served_policy
 from primerl.orchestrator.replicas import ReplicaRunner, Replicas
 from primerl.orchestrator.types import Policy
@@ -417,6 +417,40 @@ def test_a_replica_requeued_before_it_first_served_is_followed_at_start(tmp_path
         assert built == ["http://node1:8123"]
         results = await asyncio.gather(*(runner.run(i) for i in range(4)))
         assert all(isinstance(r[0], Rollout) for r in results) and len(runner.runners[0].tasks) == 2
+
+    asyncio.run(main())
+
+
+def test_a_server_whose_workers_disagree_serves_the_oldest_version_they_serve():
+    """One server of a prefill/decode pair restarted on the start model while the other serves v70: the router answers
+    /collective_rpc with both (primerl.inference.pd_router). The pair counts as serving v0, so recovery loads the
+    current version into both, where it once raised 'workers disagree' at every try and never came back (the chaos
+    soak's --pd run); one unproven worker makes the whole server unproven."""
+    from aiohttp import web
+
+    answers = {"results": [0, 70]}
+
+    async def collective_rpc(request: web.Request) -> web.Response:
+        assert (await request.json())["method"] == "primerl_get_policy_version"
+        return web.json_response(answers)
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/collective_rpc", collective_rpc)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with InferenceClient(f"http://127.0.0.1:{port}") as client:
+                assert await client.policy_version() == 0
+                answers["results"] = [70, UNPROVEN]
+                assert await client.policy_version() == UNPROVEN
+                answers["results"] = [70, 70]
+                assert await client.policy_version() == 70
+        finally:
+            await runner.cleanup()
 
     asyncio.run(main())
 

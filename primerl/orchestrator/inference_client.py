@@ -186,10 +186,11 @@ class InferenceClient:
         return [str(x) for x in json.loads(answer)["results"]]
 
     async def policy_version(self) -> int:
-        versions = {int(v) for v in await self._rpc("primerl_get_policy_version")}
-        if len(versions) != 1:
-            raise RuntimeError(f"workers of {self.base_url} disagree on the policy version: {sorted(versions)}")
-        return versions.pop()
+        """The version every worker serves; when they differ, the oldest of them (UNPROVEN, -1, when one is unproven):
+        one server of a prefill/decode pair restarted on the start model while the other serves on, or a load cut
+        halfway. The server then counts as not serving the current version, so it is loaded again, which makes its
+        workers agree."""
+        return min(int(v) for v in await self._rpc("primerl_get_policy_version"))
 
     async def collective_group(self, replica: int) -> tuple[str, int]:
         """(the name, the members) of the process group in which replica `replica` receives collective offers: its
