@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def by_seed(client: MlflowClient, runs: list, keys: list[str], args: argparse.Namespace) -> int:
     keys = setting_keys(runs, keys)
-    means = tuple(args.mean)
-    groups = group([summarize(client, r, keys, args.target, means) for r in runs])
-    print(render(seed_table(groups, keys, args.target, means), args.markdown))
+    mean_keys = tuple(args.mean)
+    groups = group([summarize(client, r, keys, args.target, mean_keys) for r in runs])
+    print(render(seed_table(groups, keys, args.target, mean_keys), args.markdown))
     if args.plot:
         curves = mean_curves(groups, keys)
         means = {label: [(s, mean) for s, mean, _, _ in points] for label, points in curves.items()}

@@ -1,13 +1,13 @@
 """Runs that differ only in their seed, summarised together: what `primerl compare --by-seed` prints.
 
-Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by the policy version it was due at: an
-eval due at a multiple of `eval.every` runs at the first version served at or past it, which can be a version or two
-later when the replicas skip versions, so runs are compared mark by mark), the minutes from its
-first batch to its end, the samples trained per second (batch size x trainer steps over the time between the first
-and the last trainer row), and the minutes from its first batch to its first eval at or above a target and that
-eval's policy version, and the mean over its rows of any metrics asked for (`--mean trainer/mismatch_kl`). Timed from
-the first batch, not the run's start, so that the SFT warm-start (trained by the first run of a seed, read from the
-cache by the others) and the servers' start do not count.
+Per run: the held-out reward of each online eval (`eval/<env>/reward_mean`, by the policy version it was due at: an eval
+due at a multiple of `eval.every` runs at the first version served at or past it, which can be a version or two later
+when the replicas skip versions, so runs are compared mark by mark), the minutes from its first batch to its end, the
+samples trained per second (batch size x trainer steps over the time between the first and the last trainer row), and
+the minutes from its first batch to its first eval at or above a target and that eval's policy version, and the mean
+over its rows of any metrics asked for (`--mean trainer/mismatch_kl`). Timed from the first batch, not the run's start,
+so that the SFT warm-start (trained by the first run of a seed, read from the cache by the others) and the servers'
+start do not count.
 Per group of runs with the same settings but their seed: the mean and the range of each of those over the seeds.
 """
 
