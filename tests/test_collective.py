@@ -5,16 +5,19 @@ groups over real gloo on loopback, a stalled transfer that fails in one line, an
 import itertools
 import json
 import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
-from primerl.transport.collective import TransferError, WeightReceiver, WeightSender
+from primerl.transport.collective import TransferError, WeightSender
 from primerl.transport.fingerprint import fingerprint_of
 from primerl.transport.offer import Offer, TensorSpec, plan_buckets, spec_of
+from primerl.transport.receiver import WeightReceiver
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import RECEIVERS_FILE, answer_offer, read_json_file
 from tests.conftest import run_module
@@ -196,3 +199,106 @@ def test_the_trainer_sends_on_two_ranks_bucket_by_bucket_exactly_what_it_writes_
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in received
     assert record["sent_fingerprint"] == record["file_fingerprint"] == record["published_fingerprint"]
     assert len(record["bucket_bytes"]) > 1 and max(record["bucket_bytes"]) <= 1 << 20  # bounded by weights.bucket_mb
+
+
+def test_a_delta_rebuilds_every_bit_and_is_not_sent_where_it_would_not_be_smaller():
+    from primerl.transport.delta import decode, encode, pack_bits, unpack_bits
+
+    mask = torch.rand(1001) < 0.3  # the packing a GPU runs, as numpy's on CPU
+    assert torch.equal(pack_bits(mask), torch.from_numpy(np.packbits(mask.numpy(), bitorder="little")))
+    assert torch.equal(unpack_bits(pack_bits(mask), 1001), mask) and pack_bits(mask).numel() == 126
+    base = torch.randn(1001).bfloat16()
+    base[:3] = torch.tensor([0.0, float("nan"), 1.0])
+    new = base.clone()
+    new[500:600] += 1
+    new[0] = -0.0  # equal as values, not as bits
+    new[1] = torch.tensor(-1, dtype=torch.int16).view(torch.bfloat16)  # another NaN
+    differ = int((new.view(torch.int16) != base.view(torch.int16)).sum())
+    changed, payload = encode(new, base)
+    assert changed == differ > 100 and payload.numel() == 126 + 2 * differ  # the mask, then the values
+    assert torch.equal(decode(base, changed, payload).view(torch.int16), new.view(torch.int16))
+    with pytest.raises(ValueError, match=f"mask marks {differ} values where its header says {differ - 1}"):
+        decode(base, differ - 1, payload[:-2])
+    assert encode(base + 1, base) is None  # every value changed: the bucket goes whole
+    wide = torch.randn(77)
+    changed, payload = encode(wide.where(torch.arange(77) % 7 != 0, 0.0), wide)
+    assert changed == 11 and torch.equal(decode(wide, changed, payload), wide.where(torch.arange(77) % 7 != 0, 0.0))
+
+
+def _moved(tensors: dict[str, torch.Tensor], share: float, seed: int) -> dict[str, torch.Tensor]:
+    """`tensors` with about `share` of each one's values changed."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor.where(torch.rand(tensor.shape, generator=generator) > share, tensor + 1)
+        for name, tensor in tensors.items()
+    }
+
+
+def _version(sender, offer, tensors, groups: dict[str, int], workers: dict[str, list]) -> dict:
+    """One version sent to `groups`, each worker in its own thread: {(group, rank): tensors or TransferError}."""
+    out = {}
+
+    def receive(receiver, group, rank):
+        try:
+            got = {n: t.clone() for n, t in receiver.tensors(offer, group, rank, groups[group], torch.device("cpu"))}
+            out[group, rank] = got
+        except TransferError as err:
+            out[group, rank] = err
+
+    threads = [
+        threading.Thread(target=receive, args=(receiver, group, rank))
+        for group, members in workers.items()
+        for rank, receiver in enumerate(members, start=1)
+    ]
+    for thread in threads:
+        thread.start()
+    assert sender.transfer(offer, groups, iter(tensors.items())) == fingerprint_of(tensors)
+    for thread in threads:
+        thread.join(timeout=60)
+    return out
+
+
+def test_deltas_go_only_to_replicas_that_proved_the_base_and_rebuild_the_version_bit_for_bit(tmp_path):
+    """Three replicas (one of two workers). v1 goes whole (no base yet); r0 and r1 prove it, r2 does not; v2 goes as a
+    delta to r0 and r1 (fewer bytes), whole to r2. For v3 all three take a delta; the second worker of r1, which lost
+    its base (its load failed alone), receives it all the same and fails in one line, holding up nobody."""
+    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
+    sender = WeightSender("127.0.0.1", tmp_path, "gloo", timeout_s=20, delta=True)
+    workers = {f"r0-{i}": [WeightReceiver()] for i in range(3)}
+    workers["r1-x"] = workers.pop("r0-1") + [WeightReceiver()]
+    groups = {name: 1 + len(members) for name, members in workers.items()}
+    versions = [TENSORS, _moved(TENSORS, 0.1, 1), _moved(TENSORS, 0.1, 2)]
+
+    offer = sender.offer(1, buckets)
+    assert offer.delta and offer.base == ""  # nothing sent yet: nothing to build a delta on
+    out = _version(sender, offer, versions[0], groups, workers)
+    assert all(fingerprint_of(got) == fingerprint_of(versions[0]) for got in out.values())
+    whole = sender.egress["r0-0"]
+    for name, members in workers.items():
+        for receiver in members:
+            receiver.settle(fingerprint_of(versions[0]) if name != "r0-2" else None)  # r2's load was not proven
+
+    offer = Offer.from_json(json.loads(json.dumps(sender.offer(2, buckets).to_json())))
+    assert offer.base == fingerprint_of(versions[0])
+    out = _version(sender, offer, versions[1], groups, workers)
+    assert all(fingerprint_of(got) == fingerprint_of(versions[1]) for got in out.values())
+    assert all(
+        torch.equal(got[n].view(torch.uint8), versions[1][n].view(torch.uint8)) for got in out.values() for n in got
+    )
+    assert sender.delta_takers == {"r0-0", "r1-x"}
+    assert sender.egress["r0-2"] == whole and sender.egress["r0-0"] < whole / 2, sender.egress
+    for name, members in workers.items():
+        for rank, receiver in enumerate(members, start=1):
+            receiver.settle(fingerprint_of(versions[1]) if (name, rank) != ("r1-x", 2) else None)
+
+    started = time.monotonic()
+    out = _version(sender, sender.offer(3, buckets), versions[2], groups, workers)
+    assert time.monotonic() - started < 10  # nobody waited out the 20 s limit
+    assert sender.delta_takers == set(groups) == set(sender.groups)  # r2 proved v2: it takes deltas now
+    error = out["r1-x", 2]
+    assert isinstance(error, TransferError) and "\n" not in str(error)
+    assert f"group r1-x took a delta against {fingerprint_of(versions[1])}, which this worker does not hold" in str(
+        error
+    )
+    assert fingerprint_of(out["r0-0", 1]) == fingerprint_of(out["r1-x", 1]) == fingerprint_of(versions[2])
+    assert fingerprint_of(out["r0-2", 1]) == fingerprint_of(versions[2])

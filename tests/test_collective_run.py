@@ -1,7 +1,9 @@
 """A whole RL run with `weights.transport=collective` (trainer rank 0 -> 2 vLLM-CPU replicas over gloo), through its
 faults: a replica killed with -9 comes back and rejoins at the next offer; a trainer killed with -9 ends the run,
 and the same command resumes it, the restarted trainer offering its checkpoint's version again to the restarted
-servers. Every load's fingerprint must equal the trainer's (none is logged as different)."""
+servers. Every load's fingerprint must equal the trainer's (none is logged as different). With `weights.delta=true`:
+after each start the trainer sends whole versions, then only the changed values to the replicas that proved the last
+one, and whole again to a replica that came back."""
 
 import os
 import re
@@ -31,6 +33,8 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
         f"inference.replicas={REPLICAS}",
         "weights.transport=collective",
         "weights.bucket_mb=1",  # several buckets per version
+        "weights.delta=true",  # a replica that proved the last version gets only the values that changed
+        "model.dtype=bfloat16",  # served in bf16, where a step changes ~10% of the values (in fp32: all)
         "eval.every=0",
         "ledger=none",
     )
@@ -65,7 +69,16 @@ def test_a_collective_run_survives_a_killed_replica_and_a_killed_trainer(cache_d
     assert all(r[TrainerMetric.WEIGHTS_FINGERPRINT] for r in rows)  # every published version has one
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert trainer_log.count("collective weights: rendezvous in ") == 2  # one sender per trainer start
-    assert re.search(r"v\d+ sent to 2 replica group\(s\) in [\d.]+s \(\d+ bucket\(s\)\)", trainer_log)
+    sent_mib = {
+        int(deltas): float(mib)
+        for mib, deltas in re.findall(
+            r"v\d+ sent to 2 replica group\(s\) in [\d.]+s \(\d+ bucket\(s\), ([\d.]+) MiB, deltas to (\d)\)",
+            trainer_log,
+        )
+    }
+    # whole after each start, then deltas to both; to one only when the replica killed came back
+    assert sent_mib.keys() == {0, 1, 2}, sent_mib
+    assert sent_mib[2] < sent_mib[1] < sent_mib[0] and sent_mib[2] < sent_mib[0] / 3, sent_mib
     assert "serves fingerprint" not in orchestrator_log.read_text()  # every load proved what it serves
     # the last version is the run's product: whole weights on disk; the ones before it went by collective
     assert latest_stable_version(run) == steps and not is_offer(weights_path(run, steps))

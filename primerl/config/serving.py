@@ -91,6 +91,8 @@ def _lora(cfg: RunConfig) -> None:
 def _weights(cfg: RunConfig) -> None:
     """Collective weights go to whole models on workers that can reach trainer rank 0."""
     if cfg.weights.transport != WeightTransport.collective:
+        if cfg.weights.delta:
+            raise ConfigError("weights.delta", "deltas travel by process group only; set weights.transport=collective")
         return
     if cfg.model.lora.enabled:
         raise ConfigError(

@@ -23,3 +23,7 @@ class WeightsConfig:
     # collective: the interface trainer rank 0's gloo binds for the transfers (the workers join through a file in the
     # run's weights directory); None: this node's loopback address locally, its host name under SLURM
     host: str | None = None
+    # collective: send each version to the replicas that proved the previous one as the values that changed
+    # (primerl.transport.delta; ~6x fewer bytes at the ~10% of bf16 values an RL step changes). Costs one more copy
+    # of the model in host memory on trainer rank 0 and on every inference worker
+    delta: bool = False

@@ -7,6 +7,9 @@ rule of primerl.transport.weights.weights_dir_refusal allows (STABLE, below the 
 directory holding a collective offer (primerl.transport.collective) is received from trainer rank 0 instead, in the
 process group the orchestrator names.
 
+With `weights.delta` a worker keeps the last version it proved by collective, to rebuild the next from the changed
+values alone (primerl.transport.receiver); any other load spends it.
+
 A load proves itself (primerl.transport.fingerprint): the worker fingerprints every byte it loads (reading back from
 the model each tensor it keeps in checkpoint layout) and compares it with the trainer's fingerprint in the version's
 directory (a collective offer's is written once its last bucket left: awaited up to the offer's timeout). It answers
@@ -25,9 +28,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from primerl.transport.collective import WeightReceiver
 from primerl.transport.fingerprint import Fingerprint, tensor_digest
 from primerl.transport.offer import read_offer
+from primerl.transport.receiver import WeightReceiver
 from primerl.transport.weights import (
     UNPROVEN,
     WEIGHTS_DIR_ENV,
@@ -101,6 +104,8 @@ class PrimerlWorkerExtension:
             served = self._primerl_loaded(self._primerl_read(folder))
         wait_s = 2 * read_offer(folder).timeout_s if is_offer(folder) else 0.0
         expected = awaited_fingerprint(folder, wait_s)
+        if self._primerl_receiver is not None:  # the base of the next delta: this version if proven, else none
+            self._primerl_receiver.settle(served if served == expected and is_offer(folder) else None)
         if served == expected:
             self.primerl_policy_version = version_number
         else:

@@ -67,7 +67,7 @@ class Publisher:
         if cfg.transport == WeightTransport.collective and trainer.info.is_main:
             backend = "nccl" if trainer.info.device.type == "cuda" else "gloo"
             host = sender_host(cfg, under_slurm)
-            self.sender = WeightSender(host, rendezvous_dir(run_dir), backend, cfg.timeout_s)
+            self.sender = WeightSender(host, rendezvous_dir(run_dir), backend, cfg.timeout_s, cfg.delta)
             where = "loopback" if is_loopback(host) else host
             log.info(f"collective weights: rendezvous in {self.sender.address} ({backend}, {where})")
 
@@ -116,9 +116,12 @@ class Publisher:
         fingerprint = self.sender.transfer(offer, groups, stream)
         write_fingerprint(path, fingerprint)
         if self.sender.groups:
+            sent = sum(self.sender.egress.values())
+            took = len(self.sender.delta_takers & set(self.sender.groups))
+            deltas = f", deltas to {took}" if offer.delta else ""
             log.info(
                 f"v{version} sent to {len(self.sender.groups)} replica group(s) in "
-                f"{time.perf_counter() - started:.2f}s ({len(offer.buckets)} bucket(s))"
+                f"{time.perf_counter() - started:.2f}s ({len(offer.buckets)} bucket(s), {sent / 2**20:.1f} MiB{deltas})"
             )
         else:
             log.info(f"v{version} went to no replica (each serves it already, or no rollout can use it any more)")

@@ -9,7 +9,9 @@ The protocol, one version at a time (the version's directory is still the announ
    workers' process and their join count, so a replica that restarted or failed a transfer joins a fresh group.
 3. Both sides join the groups they lack (the trainer drops the groups no longer listed), then the trainer broadcasts
    the buckets one by one into every group at once; each worker unpacks a bucket into named tensors as vLLM's loader
-   asks for them. The orchestrator resumes the replicas when their loads return.
+   asks for them (primerl.transport.receiver). The orchestrator resumes the replicas when their loads return.
+With `weights.delta=true` a group whose replica proved the version the offer names as its base gets each bucket as
+the values that changed since (primerl.transport.delta); the others, whole buckets.
 
 One group per replica, not one for all: a replica that dies takes only its own group down, and a new one joins
 without the others re-forming theirs. The price is trainer rank 0 sending the bytes once per replica (a tree or
@@ -35,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from primerl.transport.fingerprint import Fingerprint
+from primerl.transport.delta import WHOLE, Base, encode
+from primerl.transport.fingerprint import FINGERPRINT_BYTES, Fingerprint
 from primerl.transport.offer import Offer, TensorSpec, in_buckets
 from primerl.utils.log import get_logger
 from primerl.utils.process import is_loopback
@@ -72,6 +75,16 @@ def join_group(
     return dist.ProcessGroupGloo(prefixed, rank, world, options)
 
 
+def _from(root: int) -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    return options
+
+
+def _hex(fingerprint: torch.Tensor) -> str:
+    return bytes(fingerprint.cpu().tolist()).hex()
+
+
 def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
@@ -80,8 +93,13 @@ class WeightSender:
     """Trainer rank 0's side: the FileStore workers join through (in `store_dir`, the run's private weights
     directory), and one process group per receiving replica. `host`: the interface gloo binds (loopback locally)."""
 
-    def __init__(self, host: str, store_dir: str | Path, backend: str, timeout_s: float):
-        self.host, self.backend, self.timeout_s = host, backend, timeout_s
+    def __init__(self, host: str, store_dir: str | Path, backend: str, timeout_s: float, delta: bool = False):
+        """`delta` (weights.delta): keep each version sent, to offer the next as a delta against it."""
+        self.host, self.backend, self.timeout_s, self.delta = host, backend, timeout_s, delta
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.base: Base | None = None  # the last version sent, with delta
+        self.egress: dict[str, int] = {}  # the last transfer's bytes, by group
+        self.delta_takers: set[str] = set()  # the last transfer's groups that were sent deltas
         self.id = uuid.uuid4().hex
         store_dir = Path(store_dir)
         store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -97,8 +115,18 @@ class WeightSender:
         return str(self.store_path)
 
     def offer(self, version: int, buckets: list[list[TensorSpec]]) -> Offer:
+        base = self.base.fingerprint if self.base is not None and self.base.serves(buckets) else ""
         return Offer(
-            uuid.uuid4().hex, version, self.id, str(self.store_path), self.backend, self.timeout_s, buckets, self.host
+            uuid.uuid4().hex,
+            version,
+            self.id,
+            str(self.store_path),
+            self.backend,
+            self.timeout_s,
+            buckets,
+            self.host,
+            self.delta,
+            base,
         )
 
     def connect(self, version: int, wanted: dict[str, int]) -> None:
@@ -126,80 +154,63 @@ class WeightSender:
 
     def transfer(self, offer: Offer, groups: dict[str, int], named: Iterator[tuple[str, torch.Tensor]]) -> str:
         """Join `groups` (name -> members), then send the offer's buckets, cut from `named` in the announced order,
-        into every group at once. Returns the fingerprint of what it sent (primerl.transport.fingerprint)."""
+        into every group at once: whole, or as deltas to the groups whose replica serves the offer's base
+        (primerl.transport.delta). Returns the fingerprint of what it sent (primerl.transport.fingerprint)."""
         self.connect(offer.version, groups)
-        fingerprint = Fingerprint()
+        takers = self.delta_takers = self._delta_takers(offer) if offer.base else set()
+        self.egress = dict.fromkeys(self.groups, 0)
+        fingerprint, kept = Fingerprint(), []
         for index, specs, tensors in in_buckets(offer, named):
             for spec, tensor in zip(specs, tensors, strict=True):
                 fingerprint.add(spec.name, tensor)
-            self._send(offer, index, torch.cat([tensor.reshape(-1) for tensor in tensors]))
-        return fingerprint.hexdigest()
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+            delta = encode(flat, self.base.buckets[index]) if takers & set(self.groups) and self.base else None
+            self._send(offer, index, flat, takers, delta)
+            if offer.delta:
+                kept.append(flat.cpu())
+        digest = fingerprint.hexdigest()
+        if offer.delta:
+            self.base = Base(digest, offer.buckets, kept)
+        return digest
 
-    def _send(self, offer: Offer, index: int, flat: torch.Tensor) -> None:
-        """Broadcast bucket `index` into every group at once; a group that fails is dropped, one line."""
-        works = {name: group.broadcast([flat], dist.BroadcastOptions()) for name, group in self.groups.items()}
+    def _delta_takers(self, offer: Offer) -> set[str]:
+        """The groups whose replica serves the offer's base: each group's first worker (rank 1) announces the
+        fingerprint of the version it holds, before the first bucket."""
+        announced = {
+            name: torch.zeros(FINGERPRINT_BYTES, dtype=torch.uint8, device=self.device) for name in self.groups
+        }
+        works = {name: self.groups[name].broadcast([announced[name]], _from(1)) for name in announced}
         for name, work in works.items():
-            try:
-                work.wait()
-            except RuntimeError as err:
-                log.warning(
-                    f"collective weights v{offer.version}: bucket {index + 1}/{len(offer.buckets)} to group {name} "
-                    f"failed on the trainer side ({_first_line(err)}); that replica is left out until it joins again"
-                )
-                del self.groups[name]
+            self._wait(offer, name, "the base announcement", work)
+        return {name for name in self.groups if _hex(announced[name]) == offer.base}
 
+    def _send(self, offer: Offer, index: int, flat: torch.Tensor, takers: set[str], delta) -> None:
+        """Broadcast bucket `index` into every group at once (to the delta takers: a header, then the delta or the
+        whole bucket); a group that fails is dropped, one line."""
+        header = torch.tensor([WHOLE if delta is None else delta[0]], dtype=torch.int64, device=self.device)
+        works = {}
+        for name, group in self.groups.items():
+            if name not in takers:
+                works[name] = [group.broadcast([flat], _from(0))]
+                sent = flat.numel() * flat.element_size()
+            else:
+                payload = flat if delta is None else delta[1]
+                works[name] = [group.broadcast([header], _from(0)), group.broadcast([payload], _from(0))]
+                sent = header.numel() * 8 + payload.numel() * payload.element_size()
+            self.egress[name] = self.egress.get(name, 0) + sent
+        for name, group_works in works.items():
+            for work in group_works:
+                if not self._wait(offer, name, f"bucket {index + 1}/{len(offer.buckets)}", work):
+                    break
 
-class WeightReceiver:
-    """A worker's side: its groups, by the sender they belong to (a restarted trainer's offers need new ones)."""
-
-    def __init__(self) -> None:
-        self.nonce = uuid.uuid4().hex[:12]
-        self.joins = 0  # counts the groups this worker lost: the next group it joins has a fresh name
-        self.groups: dict[tuple[str, str], dist.ProcessGroup] = {}
-        self.stores: dict[str, dist.Store] = {}
-
-    @property
-    def identity(self) -> str:
-        return f"{self.nonce}.{self.joins}"
-
-    def _group(self, offer: Offer, name: str, rank: int, world: int) -> dist.ProcessGroup:
-        key = (offer.sender, name)
-        if key not in self.groups:
-            self.groups = {k: g for k, g in self.groups.items() if k[0] == offer.sender}
-            if offer.store not in self.stores:
-                self.stores = {offer.store: dist.FileStore(offer.store, -1)}
-            try:
-                # twice the limit: the trainer may spend one on another replica's group that never forms
-                waits = 2 * offer.timeout_s
-                self.groups[key] = join_group(
-                    self.stores[offer.store], name, rank, world, offer.backend, waits, offer.host
-                )
-            except RuntimeError as err:
-                self.joins += 1
-                raise TransferError(
-                    f"collective weights v{offer.version}: group {name} did not form on the worker side within "
-                    f"{offer.timeout_s:g}s (weights.timeout_s): {_first_line(err)}"
-                ) from err
-        return self.groups[key]
-
-    def tensors(
-        self, offer: Offer, name: str, rank: int, world: int, device: torch.device
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The offer's tensors, received bucket by bucket as the caller iterates."""
-        group = self._group(offer, name, rank, world)
-        for index, bucket in enumerate(offer.buckets):
-            flat = torch.empty(sum(s.numel for s in bucket), dtype=getattr(torch, bucket[0].dtype), device=device)
-            try:
-                group.broadcast([flat], dist.BroadcastOptions()).wait()
-            except RuntimeError as err:
-                del self.groups[(offer.sender, name)]
-                self.joins += 1
-                raise TransferError(
-                    f"collective weights v{offer.version}: bucket {index + 1}/{len(offer.buckets)} did not arrive "
-                    f"on the worker side of group {name} within {2 * offer.timeout_s:g}s (2 x weights.timeout_s): "
-                    f"{_first_line(err)}"
-                ) from err
-            offset = 0
-            for spec in bucket:
-                yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
-                offset += spec.numel
+    def _wait(self, offer: Offer, name: str, what: str, work) -> bool:
+        try:
+            work.wait()
+            return True
+        except RuntimeError as err:
+            log.warning(
+                f"collective weights v{offer.version}: {what} to group {name} failed on the trainer side "
+                f"({_first_line(err)}); that replica is left out until it joins again"
+            )
+            self.groups.pop(name, None)
+            return False

@@ -27,6 +27,7 @@ import torch
 # so a worker never keeps a second copy of the model alive.
 DIGEST_THREADS = max(2, min(8, os.cpu_count() or 2))
 IN_FLIGHT_BYTES = 256 << 20
+FINGERPRINT_BYTES = 16  # a fingerprint is the first 16 bytes of a sha256: 32 hex digits
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # with the pid that made it: a forked child makes its own
 
 
@@ -73,7 +74,7 @@ class Fingerprint:
             total.update(digest.result() if isinstance(digest, Future) else digest)
         self._in_flight.clear()
         self._in_flight_bytes = 0
-        return total.hexdigest()[:32]
+        return total.hexdigest()[: 2 * FINGERPRINT_BYTES]
 
 
 def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:

@@ -19,8 +19,8 @@ from primerl.trainer.dist import close_distributed, init_distributed
 from primerl.trainer.publish import Publisher
 from primerl.trainer.trainer import Trainer
 from primerl.transport.atomic import is_stable
-from primerl.transport.collective import WeightReceiver
 from primerl.transport.offer import read_offer
+from primerl.transport.receiver import WeightReceiver
 from primerl.transport.run_dir import weights_path
 from primerl.transport.weights import answer_offer, published_fingerprint
 from primerl.utils.wait import wait_until
