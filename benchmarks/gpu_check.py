@@ -9,7 +9,8 @@ step's loss and gradient norm are finite and the step's log-probs agree with a f
 slice of the row (the chunked path is the real one). MFU counts 6 x parameters x tokens plus attention's
 12 x layers x hidden x seq per token (x4/3 with checkpointing, which recomputes the forward) against the device's
 dense bf16 peak (`--peak-tflops`, else a table of known devices). `--cpu` with a small `--layers/--hidden` runs the
-same code on a CPU (how it is tested here; no MFU there).
+same code on a CPU (how it is tested here; no MFU there). A last item checks `weights.delta`'s codec on the device:
+bit-exact against the CPU path, and its rates.
 """
 
 import argparse
@@ -138,6 +139,47 @@ def run_item(model_dir: Path, params: int, seq: int, checkpointing: bool, args, 
     }
 
 
+def delta_codec_item(values: int, device: torch.device, changed: float = 0.1) -> dict:
+    """`weights.delta`'s codec (primerl.transport.delta) on the device, as a GPU trainer and worker run it (torch's
+    ops): a bf16 bucket of `values` with `changed` of them moved, encoded and decoded; passes when the bytes equal
+    the CPU path's (numpy) and the rebuilt bucket is the new one bit for bit. Rates in GB of bf16 weights per second."""
+    from primerl.transport.delta import decode, encode
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(values, generator=generator).bfloat16()
+    bits = base.view(torch.int16).clone()
+    bits[torch.rand(values, generator=generator) < changed] += 1
+    new = bits.view(torch.bfloat16)
+    on_device, base_on_device = new.to(device), base.to(device)
+    timings: dict[str, list[float]] = {"encode": [], "decode": []}
+    for _ in range(3):
+        _sync(device)
+        started = time.perf_counter()
+        count, payload = encode(on_device, base_on_device, by_numpy=False)
+        _sync(device)
+        timings["encode"].append(time.perf_counter() - started)
+        rebuilt = decode(base_on_device, count, payload, by_numpy=False)
+        _sync(device)
+        timings["decode"].append(time.perf_counter() - started - timings["encode"][-1])
+    exact = torch.equal(payload.cpu(), encode(new, base, by_numpy=True)[1]) and torch.equal(
+        rebuilt.cpu().view(torch.int16), bits
+    )
+    gb = values * 2 / 1e9
+    return {
+        "delta_codec": True,
+        "passed": exact,
+        "values": values,
+        "delta_vs_whole": payload.numel() / (2 * values),
+        "encode_gb_s": gb / statistics.median(timings["encode"]),
+        "decode_gb_s": gb / statistics.median(timings["decode"]),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
@@ -181,6 +223,9 @@ def main() -> None:
                 )
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    codec = delta_codec_item(min(params, 600_000_000), device)
+    items.append(codec)
+    print(f"{'PASS' if codec['passed'] else 'FAIL'} delta codec {codec}", flush=True)
     close_distributed()
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

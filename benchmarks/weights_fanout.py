@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from benchmarks.inference import model_of_width
 from primerl.transport.collective import WeightSender
+from primerl.transport.delta import decode, encode
 from primerl.transport.fingerprint import Fingerprint
 from primerl.transport.offer import Offer, plan_buckets, spec_of
 from primerl.transport.receiver import WeightReceiver
@@ -96,6 +97,26 @@ def one_size(hidden: int, receivers: list[int], share: float, rounds: int, root:
         print(f"| {hidden} | {mb:.1f} | {count} | {_cells(wholes)} | {_cells(deltas)} | {ratio:.1f}x |", flush=True)
 
 
+def codec_rates(hidden: int, share: float, root: Path) -> str:
+    """Encode and decode rates of primerl.transport.delta on this CPU, MB of bf16 weights per second (median of 3)."""
+    _, model_dir = model_of_width(hidden, root)
+    base = torch.cat([v.bfloat16().reshape(-1) for v in load_file(Path(model_dir) / "model.safetensors").values()])
+    new = changed({"all": base}, share, seed=0)["all"]
+    encoded, decoded = [], []
+    for _ in range(3):
+        started = time.perf_counter()
+        count, payload = encode(new, base)
+        encoded.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        decode(base, count, payload)
+        decoded.append(time.perf_counter() - started)
+    mb = base.numel() * 2 / 1e6
+    return (
+        f"delta codec at hidden {hidden} ({mb:.0f} MB, {share:.0%} changed), this CPU: encode "
+        f"{mb / statistics.median(encoded):.0f} MB/s, decode {mb / statistics.median(decoded):.0f} MB/s"
+    )
+
+
 def _cells(rows: list[tuple[int, float, int]]) -> str:
     egress, seconds = [row[0] / 2**20 for row in rows], [row[1] for row in rows]
     return (
@@ -120,6 +141,7 @@ def main() -> None:
     try:
         for hidden in args.sizes:
             one_size(hidden, args.receivers, args.changed, args.rounds, root)
+        print(codec_rates(max(args.sizes), args.changed, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

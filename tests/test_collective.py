@@ -201,7 +201,8 @@ def test_the_trainer_sends_on_two_ranks_bucket_by_bucket_exactly_what_it_writes_
     assert len(record["bucket_bytes"]) > 1 and max(record["bucket_bytes"]) <= 1 << 20  # bounded by weights.bucket_mb
 
 
-def test_a_delta_rebuilds_every_bit_and_is_not_sent_where_it_would_not_be_smaller():
+@pytest.mark.parametrize("by_numpy", [True, False], ids=["numpy-as-on-cpu", "torch-as-on-gpu"])
+def test_a_delta_rebuilds_every_bit_and_is_not_sent_where_it_would_not_be_smaller(by_numpy):
     from primerl.transport.delta import decode, encode, pack_bits, unpack_bits
 
     mask = torch.rand(1001) < 0.3  # the packing a GPU runs, as numpy's on CPU
@@ -214,15 +215,19 @@ def test_a_delta_rebuilds_every_bit_and_is_not_sent_where_it_would_not_be_smalle
     new[0] = -0.0  # equal as values, not as bits
     new[1] = torch.tensor(-1, dtype=torch.int16).view(torch.bfloat16)  # another NaN
     differ = int((new.view(torch.int16) != base.view(torch.int16)).sum())
-    changed, payload = encode(new, base)
+    changed, payload = encode(new, base, by_numpy)
     assert changed == differ > 100 and payload.numel() == 126 + 2 * differ  # the mask, then the values
-    assert torch.equal(decode(base, changed, payload).view(torch.int16), new.view(torch.int16))
+    assert torch.equal(payload, encode(new, base, not by_numpy)[1])  # the same bytes either way
+    assert torch.equal(decode(base, changed, payload, by_numpy).view(torch.int16), new.view(torch.int16))
     with pytest.raises(ValueError, match=f"mask marks {differ} values where its header says {differ - 1}"):
-        decode(base, differ - 1, payload[:-2])
-    assert encode(base + 1, base) is None  # every value changed: the bucket goes whole
+        decode(base, differ - 1, payload[:-2], by_numpy)
+    assert encode(base + 1, base, by_numpy) is None  # every value changed: the bucket goes whole
+    unchanged = decode(base, 0, encode(base, base, by_numpy)[1], by_numpy)
+    assert encode(base, base, by_numpy)[0] == 0 and unchanged.view(torch.int16).equal(base.view(torch.int16))
     wide = torch.randn(77)
-    changed, payload = encode(wide.where(torch.arange(77) % 7 != 0, 0.0), wide)
-    assert changed == 11 and torch.equal(decode(wide, changed, payload), wide.where(torch.arange(77) % 7 != 0, 0.0))
+    moved = wide.where(torch.arange(77) % 7 != 0, 0.0)
+    changed, payload = encode(moved, wide, by_numpy)
+    assert changed == 11 and torch.equal(decode(wide, changed, payload, by_numpy), moved)
 
 
 def _moved(tensors: dict[str, torch.Tensor], share: float, seed: int) -> dict[str, torch.Tensor]:

@@ -65,13 +65,16 @@ def test_bf16_trains_like_fp32_and_the_same_on_one_and_two_ranks(tmp_path):
 
 def test_the_gpu_check_runs_its_cpu_path(tmp_path):
     """benchmarks/gpu_check.py (scripts/gpu_check.sh on a GPU) on this CPU, with a narrow model: every item trains,
-    its chunked scores match the full-vocabulary path, and the JSON summary says so."""
+    its chunked scores match the full-vocabulary path, the delta codec's torch path rebuilds every bit, and the JSON
+    summary says so."""
     summary_file = tmp_path / "gpu_check.json"
     args = ["--cpu", "--layers", "1", "--hidden", "64", "--seq", "64", "--steps", "2", "--json", str(summary_file)]
     result = run_module("benchmarks.gpu_check", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(summary_file.read_text())
     assert summary["passed"] and summary["precision"] == "bf16"
-    assert [(i["seq"], i["activation_checkpointing"]) for i in summary["items"]] == [(64, False), (64, True)]
-    assert all(i["scores_vs_full_max_gap"] < 1e-3 and i["tokens_per_s"] > 0 for i in summary["items"])
+    *trained, codec = summary["items"]
+    assert [(i["seq"], i["activation_checkpointing"]) for i in trained] == [(64, False), (64, True)]
+    assert all(i["scores_vs_full_max_gap"] < 1e-3 and i["tokens_per_s"] > 0 for i in trained)
+    assert codec["delta_codec"] and codec["passed"] and 0.1 < codec["delta_vs_whole"] < 0.3  # ~10% changed
     assert "PASS seq 64 checkpointing on" in result.stdout

@@ -59,11 +59,14 @@ def delta_bytes(numel: int, element_size: int, changed: int) -> int:
     return -(-numel // 8) + changed * element_size
 
 
-def encode(flat: torch.Tensor, base: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """(how many values changed, the delta as bytes), or None when the delta would not be smaller than `flat`."""
+def encode(flat: torch.Tensor, base: torch.Tensor, by_numpy: bool | None = None) -> tuple[int, torch.Tensor] | None:
+    """(how many values changed, the delta as bytes), or None when the delta would not be smaller than `flat`.
+    `by_numpy`: numpy's packbits and indexing (CPU tensors only; ~10x torch's on CPU here) or torch's ops (any device,
+    on CPU for tests); by default numpy on CPU. Both give the same bytes."""
     if base.shape != flat.shape or base.dtype != flat.dtype:
         raise ValueError(f"a delta needs a base of the same layout: {base.dtype}{list(base.shape)} for {flat.dtype}")
-    if flat.device.type == "cpu":  # numpy's packbits and boolean indexing run ~10x torch's on CPU here
+    by_numpy = flat.device.type == "cpu" if by_numpy is None else by_numpy
+    if by_numpy:
         new, old = _raw(flat).numpy(), _raw(base).numpy()
         mask = new != old
         values = torch.from_numpy(new[mask].view(np.uint8))
@@ -74,25 +77,27 @@ def encode(flat: torch.Tensor, base: torch.Tensor) -> tuple[int, torch.Tensor] |
     changed = values.numel() // flat.element_size()
     if delta_bytes(flat.numel(), flat.element_size(), changed) >= flat.numel() * flat.element_size():
         return None
-    packed = torch.from_numpy(np.packbits(mask, bitorder="little")) if flat.device.type == "cpu" else pack_bits(mask)
+    packed = torch.from_numpy(np.packbits(mask, bitorder="little")) if by_numpy else pack_bits(mask)
     return changed, torch.cat([packed, values])
 
 
-def decode(base: torch.Tensor, changed: int, payload: torch.Tensor) -> torch.Tensor:
-    """The new flat bucket: `base` (its dtype and size) with the delta `payload` of `changed` values applied."""
+def decode(base: torch.Tensor, changed: int, payload: torch.Tensor, by_numpy: bool | None = None) -> torch.Tensor:
+    """The new flat bucket: `base` (its dtype and size) with the delta `payload` of `changed` values applied, on the
+    payload's device. `by_numpy`: as for `encode`."""
     mask_bytes = -(-base.numel() // 8)
     if payload.numel() != delta_bytes(base.numel(), base.element_size(), changed):
         raise ValueError(f"a delta of {changed} values over {base.numel()} cannot be {payload.numel()} bytes")
+    by_numpy = payload.device.type == "cpu" if by_numpy is None else by_numpy
     flat = base.to(payload.device, copy=True)
     raw = _raw(flat)
     values = payload[mask_bytes:].clone().view(raw.dtype)  # cloned: a view of another dtype must start aligned
-    if payload.device.type == "cpu":
+    if by_numpy:
         positions = np.flatnonzero(np.unpackbits(payload[:mask_bytes].numpy(), count=base.numel(), bitorder="little"))
     else:
         positions = unpack_bits(payload[:mask_bytes], base.numel()).nonzero().squeeze(1)
     if len(positions) != changed:
         raise ValueError(f"a delta's mask marks {len(positions)} values where its header says {changed}")
-    if payload.device.type == "cpu":
+    if by_numpy:
         raw.numpy()[positions] = values.numpy()
     else:
         raw[positions] = values
