@@ -61,8 +61,8 @@ def delta_bytes(numel: int, element_size: int, changed: int) -> int:
 
 def encode(flat: torch.Tensor, base: torch.Tensor, by_numpy: bool | None = None) -> tuple[int, torch.Tensor] | None:
     """(how many values changed, the delta as bytes), or None when the delta would not be smaller than `flat`.
-    `by_numpy`: numpy's packbits and indexing (CPU tensors only; ~10x torch's on CPU here) or torch's ops (any device,
-    on CPU for tests); by default numpy on CPU. Both give the same bytes."""
+    `by_numpy`: numpy's packbits and indexing (CPU tensors only; 1.5x torch's encode rate here idle, 2.3x beside a
+    busy core) or torch's ops (any device; on CPU for tests); by default numpy on CPU. Both give the same bytes."""
     if base.shape != flat.shape or base.dtype != flat.dtype:
         raise ValueError(f"a delta needs a base of the same layout: {base.dtype}{list(base.shape)} for {flat.dtype}")
     by_numpy = flat.device.type == "cpu" if by_numpy is None else by_numpy
