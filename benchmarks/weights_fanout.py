@@ -1,13 +1,17 @@
-"""Trainer egress and time to serving against the number of receiving replicas, whole and delta updates.
+"""Trainer egress and time to serving against the number of receiving replicas: whole and delta updates, each
+replica in its own group with the trainer or passing the buckets on (`weights.relay`).
 
     python -m benchmarks.weights_fanout [--sizes 256 1024] [--receivers 1 2 4 8 16] [--changed 0.1] [--rounds 3]
+                                        [--bucket-mb 16]
 
 The trainer's side is the run's `WeightSender` over gloo on loopback; each receiver is a process running the
 workers' receive-and-verify code (`WeightReceiver.tensors`, a `Fingerprint` of every byte received, compared with
 the trainer's, `settle`), without vLLM: a stand-in for a replica of one worker, so that 16 fit on 2 cores. Per
-width (the tiny Qwen3 of benchmarks.inference, bf16) and receiver count, `--rounds` pairs of versions, each changing
+width (the tiny Qwen3 of benchmarks.inference, bf16), receiver count and mode (a group for each receiver, or
+`weights.relay`: the receivers pass each bucket on in a chain), `--rounds` pairs of versions, each changing
 `--changed` of the values (the next representable bf16 value, so each of them changes its bits): one sent whole (the
-receivers hold no base), the next as a delta against it. Egress: the bytes trainer rank 0 put into the groups; time: from the first bucket to the last receiver's proven load. Medians and ranges over the rounds. The receivers
+receivers hold no base), the next as a delta against it. Egress: the bytes trainer rank 0 put into the groups;
+time: from the first bucket to the last receiver's proven load. Medians and ranges over the rounds. The receivers
 share the machine's cores with the sender, so at many receivers the times measure CPU as much as the protocol.
 """
 
@@ -68,11 +72,11 @@ def one_version(sender, version, buckets, state, groups, conns, keep: bool) -> t
     return sum(sender.egress.values()), max(done for _, done in reports) - started, len(sender.delta_takers)
 
 
-def one_size(hidden: int, receivers: list[int], share: float, rounds: int, root: Path) -> None:
+def one_size(hidden: int, receivers: list[int], share: float, rounds: int, bucket_mb: int, root: Path) -> None:
     _, model_dir = model_of_width(hidden, root)
     state = {k: v.bfloat16() for k, v in load_file(Path(model_dir) / "model.safetensors").items()}
     mb = sum(v.numel() * v.element_size() for v in state.values()) / 2**20
-    buckets = plan_buckets([spec_of(k, v) for k, v in state.items()], 256 << 20)
+    buckets = plan_buckets([spec_of(k, v) for k, v in state.items()], bucket_mb << 20)
     context = mp.get_context("spawn")
     for count in receivers:
         pipes = [context.Pipe() for _ in range(count)]
@@ -81,20 +85,23 @@ def one_size(hidden: int, receivers: list[int], share: float, rounds: int, root:
             process.start()
         conns = [parent for parent, _ in pipes]
         groups = [f"r{i}-{conn.recv()}" for i, conn in enumerate(conns)]
-        sender = WeightSender("127.0.0.1", root / f"rendezvous-{hidden}-{count}", "gloo", timeout_s=300, delta=True)
-        wholes, deltas = [], []  # alternating: a whole version kept as the base, then a delta not kept
-        for index in range(rounds):
-            state = changed(state, share, seed=2 * index)
-            wholes.append(one_version(sender, 2 * index + 1, buckets, state, groups, conns, keep=True))
-            state = changed(state, share, seed=2 * index + 1)
-            deltas.append(one_version(sender, 2 * index + 2, buckets, state, groups, conns, keep=False))
-        assert all(row[2] == 0 for row in wholes) and all(row[2] == count for row in deltas)
+        for relay in (False, True):
+            sender = WeightSender(
+                "127.0.0.1", root / f"rendezvous-{hidden}-{count}-{relay}", "gloo", 300, delta=True, relay=relay
+            )
+            wholes, deltas = [], []  # alternating: a whole version kept as the base, then a delta not kept
+            for index in range(rounds):
+                state = changed(state, share, seed=2 * index)
+                wholes.append(one_version(sender, 2 * index + 1, buckets, state, groups, conns, keep=True))
+                state = changed(state, share, seed=2 * index + 1)
+                deltas.append(one_version(sender, 2 * index + 2, buckets, state, groups, conns, keep=False))
+            assert all(row[2] == 0 for row in wholes) and all(row[2] == count for row in deltas)
+            mode = "relay" if relay else "a group each"
+            print(f"| {hidden} | {mb:.1f} | {count} | {mode} | {_cells(wholes)} | {_cells(deltas)} |", flush=True)
         for conn in conns:
             conn.send(None)
         for process in processes:
             process.join(timeout=30)
-        ratio = statistics.median(row[0] for row in wholes) / statistics.median(row[0] for row in deltas)
-        print(f"| {hidden} | {mb:.1f} | {count} | {_cells(wholes)} | {_cells(deltas)} | {ratio:.1f}x |", flush=True)
 
 
 def codec_rates(hidden: int, share: float, root: Path) -> str:
@@ -131,16 +138,20 @@ def main() -> None:
     parser.add_argument("--receivers", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--changed", type=float, default=0.1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=16, help="weights.bucket_mb (a relay passes on by bucket)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="primerl-bench-fanout-"))
-    print(f"deltas: {args.changed:.0%} of the values changed per version; median [min, max] of {args.rounds} rounds")
     print(
-        "| hidden | MiB | receivers | whole: egress MiB | whole: s to serving | delta: egress MiB | delta: s to serving "
-        "| whole/delta bytes |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+        f"deltas: {args.changed:.0%} of the values changed per version; buckets of {args.bucket_mb} MiB; "
+        f"median [min, max] of {args.rounds} rounds"
+    )
+    print(
+        "| hidden | MiB | receivers | trainer sends to | whole: egress MiB | whole: s to serving | delta: egress MiB "
+        "| delta: s to serving |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     try:
         for hidden in args.sizes:
-            one_size(hidden, args.receivers, args.changed, args.rounds, root)
+            one_size(hidden, args.receivers, args.changed, args.rounds, args.bucket_mb, root)
         print(codec_rates(max(args.sizes), args.changed, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)

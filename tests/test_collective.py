@@ -307,3 +307,68 @@ def test_deltas_go_only_to_replicas_that_proved_the_base_and_rebuild_the_version
     )
     assert fingerprint_of(out["r0-0", 1]) == fingerprint_of(out["r1-x", 1]) == fingerprint_of(versions[2])
     assert fingerprint_of(out["r0-2", 1]) == fingerprint_of(versions[2])
+
+
+def _replica_process(conn) -> None:
+    """A replica of one worker in its own process: it receives the offers it is sent, and with `die` set kills itself
+    -9 once it passed its first bucket on."""
+    import os
+    import signal
+
+    receiver = WeightReceiver()
+    conn.send(receiver.identity)
+    while (message := conn.recv()) is not None:
+        offer, group, die = Offer.from_json(message[0]), message[1], message[2]
+        got = {}
+        for name, tensor in receiver.tensors(offer, group, 1, 2, torch.device("cpu")):
+            got[name] = tensor.clone()
+            if die and len(got) == len(offer.buckets[0]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        conn.send(fingerprint_of(got))
+        receiver.settle(conn.recv())
+
+
+def test_with_relay_each_bucket_leaves_the_trainer_once_and_a_relay_that_dies_costs_only_itself(caplog, tmp_path):
+    """Three replicas in a chain (r0 -> r1 -> r2; r1 a process of its own, r2 of two workers). v1 goes whole: the
+    trainer's egress is the version's bytes once, not three times. v2 goes as deltas down the same chain, and r1 is
+    killed -9 once it passed its first bucket on: r2 says it lacks the rest, the trainer sends it from its copy, and
+    r0 and r2 serve v2 bit for bit, within seconds (weights.timeout_s is 20)."""
+    import multiprocessing as mp
+
+    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
+    sender = WeightSender("127.0.0.1", tmp_path, "gloo", timeout_s=20, delta=True, relay=True)
+    parent, child = mp.get_context("spawn").Pipe()
+    process = mp.get_context("spawn").Process(target=_replica_process, args=(child,), daemon=True)
+    process.start()
+    local = {"r0": [WeightReceiver()], "r2": [WeightReceiver(), WeightReceiver()]}
+    workers = {f"{replica}-{members[0].identity}": members for replica, members in local.items()}
+    first, last = sorted(workers)
+    remote = f"r1-{parent.recv()}"
+    groups = {name: 1 + len(members) for name, members in workers.items()} | {remote: 2}
+    versions = [TENSORS, _moved(TENSORS, 0.1, 1)]
+    whole = sum(tensor.numel() * tensor.element_size() for tensor in TENSORS.values())
+
+    try:
+        for version, tensors in enumerate(versions, start=1):
+            offer = sender.offer(version, buckets)
+            assert offer.relay and bool(offer.base) == (version == 2)
+            parent.send((offer.to_json(), remote, version == 2))
+            started = time.monotonic()
+            out = _version(sender, offer, tensors, groups, workers)
+            assert time.monotonic() - started < 10
+            assert all(fingerprint_of(got) == fingerprint_of(tensors) for got in out.values()), out
+            if version == 1:
+                assert parent.recv() == fingerprint_of(tensors)
+                parent.send(fingerprint_of(tensors))
+                assert sum(sender.egress.values()) == whole and sender.egress[first] == whole  # once, to r0
+                for members in workers.values():
+                    for receiver in members:
+                        receiver.settle(fingerprint_of(tensors))
+        process.join(timeout=10)
+        assert process.exitcode == -9
+        assert sender.delta_takers == set(groups) and remote not in sender.groups
+        assert 0 < sender.egress[first] < whole / 2 and sender.egress[remote] == 0  # r1 got v2 from r0 only
+        assert 0 < sender.egress[last] < sender.egress[first]  # the rest of v2, for r2
+        assert "lost its relay at bucket 2/3; the trainer sends it the rest" in caplog.text
+    finally:
+        process.kill()

@@ -91,8 +91,9 @@ def _lora(cfg: RunConfig) -> None:
 def _weights(cfg: RunConfig) -> None:
     """Collective weights go to whole models on workers that can reach trainer rank 0."""
     if cfg.weights.transport != WeightTransport.collective:
-        if cfg.weights.delta:
-            raise ConfigError("weights.delta", "deltas travel by process group only; set weights.transport=collective")
+        for key in ("delta", "relay"):
+            if getattr(cfg.weights, key):
+                raise ConfigError(f"weights.{key}", "this is for process groups only; set weights.transport=collective")
         return
     if cfg.model.lora.enabled:
         raise ConfigError(

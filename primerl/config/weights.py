@@ -27,3 +27,8 @@ class WeightsConfig:
     # (primerl.transport.delta; ~6x fewer bytes at the ~10% of bf16 values an RL step changes). Costs one more copy
     # of the model in host memory on trainer rank 0 and on every inference worker
     delta: bool = False
+    # collective: trainer rank 0 sends each bucket into one replica's group, and the replicas pass it on in a chain
+    # (primerl.transport.relay): its egress is the model once (twice when some replicas take deltas and others not)
+    # whatever the number of replicas, at a bucket's time per replica in latency. Costs one more copy of the model in
+    # host memory on trainer rank 0 during a transfer
+    relay: bool = False

@@ -67,7 +67,7 @@ class Publisher:
         if cfg.transport == WeightTransport.collective and trainer.info.is_main:
             backend = "nccl" if trainer.info.device.type == "cuda" else "gloo"
             host = sender_host(cfg, under_slurm)
-            self.sender = WeightSender(host, rendezvous_dir(run_dir), backend, cfg.timeout_s, cfg.delta)
+            self.sender = WeightSender(host, rendezvous_dir(run_dir), backend, cfg.timeout_s, cfg.delta, cfg.relay)
             where = "loopback" if is_loopback(host) else host
             log.info(f"collective weights: rendezvous in {self.sender.address} ({backend}, {where})")
 

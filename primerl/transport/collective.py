@@ -14,8 +14,9 @@ With `weights.delta=true` a group whose replica proved the version the offer nam
 the values that changed since (primerl.transport.delta); the others, whole buckets.
 
 One group per replica, not one for all: a replica that dies takes only its own group down, and a new one joins
-without the others re-forming theirs. The price is trainer rank 0 sending the bytes once per replica (a tree or
-NCCL's broadcast across replicas would send them once); the measured latencies are in benchmarks/results.md.
+without the others re-forming theirs. The price is trainer rank 0 sending the bytes once per replica, unless
+`weights.relay=true`: then the replicas pass each bucket on in a chain and the trainer sends it once
+(primerl.transport.relay); the measured costs are in benchmarks/results.md.
 
 A join or a bucket that does not complete within `weights.timeout_s` raises `TransferError` on the side that waits,
 one line naming the version, the bucket and the group; that group is dropped on both sides.
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from primerl.transport.delta import WHOLE, Base, encode
 from primerl.transport.fingerprint import FINGERPRINT_BYTES, Fingerprint
 from primerl.transport.offer import Offer, TensorSpec, in_buckets
+from primerl.transport.relay import Link, chains, links, plan_tensor
 from primerl.utils.log import get_logger
 from primerl.utils.process import is_loopback
 
@@ -81,6 +83,12 @@ def _from(root: int) -> dist.BroadcastOptions:
     return options
 
 
+def _least() -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    return options
+
+
 def _hex(fingerprint: torch.Tensor) -> str:
     return bytes(fingerprint.cpu().tolist()).hex()
 
@@ -93,9 +101,12 @@ class WeightSender:
     """Trainer rank 0's side: the FileStore workers join through (in `store_dir`, the run's private weights
     directory), and one process group per receiving replica. `host`: the interface gloo binds (loopback locally)."""
 
-    def __init__(self, host: str, store_dir: str | Path, backend: str, timeout_s: float, delta: bool = False):
-        """`delta` (weights.delta): keep each version sent, to offer the next as a delta against it."""
-        self.host, self.backend, self.timeout_s, self.delta = host, backend, timeout_s, delta
+    def __init__(
+        self, host: str, store_dir: str | Path, backend: str, timeout_s: float, delta: bool = False, relay: bool = False
+    ):
+        """`delta` (weights.delta): keep each version sent, to offer the next as a delta against it. `relay`
+        (weights.relay): send each bucket into the first group of each chain only (primerl.transport.relay)."""
+        self.host, self.backend, self.timeout_s, self.delta, self.relay = host, backend, timeout_s, delta, relay
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.base: Base | None = None  # the last version sent, with delta
         self.egress: dict[str, int] = {}  # the last transfer's bytes, by group
@@ -127,6 +138,7 @@ class WeightSender:
             self.host,
             self.delta,
             base,
+            self.relay,
         )
 
     def connect(self, version: int, wanted: dict[str, int]) -> None:
@@ -154,10 +166,14 @@ class WeightSender:
 
     def transfer(self, offer: Offer, groups: dict[str, int], named: Iterator[tuple[str, torch.Tensor]]) -> str:
         """Join `groups` (name -> members), then send the offer's buckets, cut from `named` in the announced order,
-        into every group at once: whole, or as deltas to the groups whose replica serves the offer's base
-        (primerl.transport.delta). Returns the fingerprint of what it sent (primerl.transport.fingerprint)."""
+        into every group at once, or with relay into the first group of each chain: whole, or as deltas to the groups
+        whose replica serves the offer's base (primerl.transport.delta). Returns the fingerprint of what it sent
+        (primerl.transport.fingerprint)."""
         self.connect(offer.version, groups)
         takers = self.delta_takers = self._delta_takers(offer) if offer.base else set()
+        chained = chains(list(self.groups), takers) if offer.relay else [[name] for name in self.groups]
+        if offer.relay:
+            self._plan(offer, links(chained, groups))
         self.egress = dict.fromkeys(self.groups, 0)
         fingerprint, kept = Fingerprint(), []
         for index, specs, tensors in in_buckets(offer, named):
@@ -165,13 +181,42 @@ class WeightSender:
                 fingerprint.add(spec.name, tensor)
             flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
             delta = encode(flat, self.base.buckets[index]) if takers & set(self.groups) and self.base else None
-            self._send(offer, index, flat, takers, delta)
-            if offer.delta:
-                kept.append(flat.cpu())
+            self._send(offer, index, flat, takers, delta, {chain[0] for chain in chained})
+            if offer.delta or offer.relay:
+                kept.append((flat.cpu(), delta))
+        if offer.relay:
+            self._repair(offer, takers, kept, [name for chain in chained for name in chain])
         digest = fingerprint.hexdigest()
         if offer.delta:
-            self.base = Base(digest, offer.buckets, kept)
+            self.base = Base(digest, offer.buckets, [flat for flat, _ in kept])
         return digest
+
+    def _plan(self, offer: Offer, planned: dict[str, Link]) -> None:
+        """Tell each group its place in its chain, before the first bucket."""
+        works = {
+            name: group.broadcast([plan_tensor(planned[name], self.device)], _from(0))
+            for name, group in self.groups.items()
+        }
+        for name, work in works.items():
+            self._wait(offer, name, "the relay plan", work)
+
+    def _repair(self, offer: Offer, takers: set[str], kept: list, order: list[str]) -> None:
+        """Every group's status (its members' first missing bucket, MIN); the rest of the version, from the copy
+        kept, to each group that lost its relay. In chain order: a group behind a repaired one finishes after it."""
+        total = len(offer.buckets)
+        missing = {name: torch.tensor([total], dtype=torch.int64, device=self.device) for name in self.groups}
+        works = {name: self.groups[name].allreduce([missing[name]], _least()) for name in missing}
+        for name in order:
+            if name not in works or not self._wait(offer, name, "the relay status", works[name]):
+                continue
+            first = int(missing[name].item())
+            if first < total:
+                log.warning(
+                    f"collective weights v{offer.version}: group {name} lost its relay at bucket {first + 1}/{total}; "
+                    "the trainer sends it the rest"
+                )
+            for index in range(first, total):
+                self._send(offer, index, kept[index][0], takers, kept[index][1], {name})
 
     def _delta_takers(self, offer: Offer) -> set[str]:
         """The groups whose replica serves the offer's base: each group's first worker (rank 1) announces the
@@ -184,12 +229,14 @@ class WeightSender:
             self._wait(offer, name, "the base announcement", work)
         return {name for name in self.groups if _hex(announced[name]) == offer.base}
 
-    def _send(self, offer: Offer, index: int, flat: torch.Tensor, takers: set[str], delta) -> None:
-        """Broadcast bucket `index` into every group at once (to the delta takers: a header, then the delta or the
-        whole bucket); a group that fails is dropped, one line."""
+    def _send(self, offer: Offer, index: int, flat: torch.Tensor, takers: set[str], delta, to: set[str]) -> None:
+        """Broadcast bucket `index` into the groups `to` at once (to the delta takers: a header, then the delta or
+        the whole bucket); a group that fails is dropped, one line."""
         header = torch.tensor([WHOLE if delta is None else delta[0]], dtype=torch.int64, device=self.device)
         works = {}
         for name, group in self.groups.items():
+            if name not in to:
+                continue
             if name not in takers:
                 works[name] = [group.broadcast([flat], _from(0))]
                 sent = flat.numel() * flat.element_size()

@@ -61,6 +61,7 @@ class Offer:
     host: str = "127.0.0.1"  # the interface the sender's gloo binds: loopback, or its node's name
     delta: bool = False  # weights.delta: the receivers keep what they proved, to rebuild the next version from it
     base: str = ""  # with delta: the fingerprint of the version a delta is offered against ("": whole buckets only)
+    relay: bool = False  # weights.relay: the replicas pass each bucket on (primerl.transport.relay)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -9,16 +9,20 @@ the base is spent by every load and set again only by a proven one (`settle`), s
 and the next version arrives whole.
 """
 
+import logging
 import uuid
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from primerl.transport.collective import TransferError, _first_line, _from, _hex, join_group
+from primerl.transport.collective import TransferError, _first_line, _from, _hex, _least, join_group
 from primerl.transport.delta import WHOLE, Base, decode, delta_bytes
 from primerl.transport.fingerprint import FINGERPRINT_BYTES
 from primerl.transport.offer import Offer
+from primerl.transport.relay import Link, plan_tensor, read_plan, relay_group
+
+log = logging.getLogger(__name__)
 
 
 class WeightReceiver:
@@ -46,63 +50,134 @@ class WeightReceiver:
         self, offer: Offer, name: str, rank: int, world: int, device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The offer's tensors, received bucket by bucket as the caller iterates (rebuilt from deltas where the
-        trainer sends them)."""
+        trainer sends them; from the replica before this one, and passed on, with relay)."""
         group = self._group(offer, name, rank, world)
         base, self.base = self.base, None  # spent by this load, whatever its end
         self._received = Base("", offer.buckets, []) if offer.delta else None
         takes_delta = bool(offer.base) and self._announce(offer, group, name, rank, base, device) == offer.base
         usable = base if base is not None and base.fingerprint == offer.base and base.serves(offer.buckets) else None
-        if takes_delta and usable is None:  # received all the same, so the trainer and the other workers go on
-            for index in range(len(offer.buckets)):
-                self._bucket(offer, group, name, index, device, takes_delta, None)
+        link = self._link(offer, group, name, device) if offer.relay else None
+        source, sink = (group, None) if link is None else self._relays(offer, group, name, rank, world, link)
+        total, have = len(offer.buckets), 0
+        while have < total and source is not None:
+            pieces = self._pieces(offer, source, name, have, device, takes_delta, relayed=source is not group)
+            if pieces is None:  # the relay before this replica is gone: the trainer sends the rest
+                break
+            sink = self._forward(offer, sink, pieces)
+            yield from self._unpacked(offer, name, have, pieces, usable)
+            have += 1
+        if link is not None:
+            missing = torch.tensor([have], dtype=torch.int64, device=device)
+            self._wait(offer, name, "the relay status", group.allreduce([missing], _least()))
+            for index in range(int(missing.item()), total):  # what a member of this replica lacks
+                pieces = self._pieces(offer, group, name, index, device, takes_delta, relayed=False)
+                if index >= have:
+                    sink = self._forward(offer, sink, pieces)
+                    yield from self._unpacked(offer, name, index, pieces, usable)
+        if takes_delta and usable is None:
             raise TransferError(
                 f"collective weights v{offer.version}: group {name} took a delta against {offer.base}, which this "
                 "worker does not hold (its last load failed); the next version comes whole"
             )
-        for index, bucket in enumerate(offer.buckets):
-            flat = self._bucket(offer, group, name, index, device, takes_delta, usable)
-            if self._received is not None:
-                self._received.buckets.append(flat.cpu())
-            offset = 0
-            for spec in bucket:
-                yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
-                offset += spec.numel
 
     def _announce(self, offer: Offer, group, name: str, rank: int, base: Base | None, device) -> str:
         """The fingerprint of the base the group's first worker holds, as it announces it to all."""
         mine = base.fingerprint if base is not None and base.serves(offer.buckets) else ""
         held = bytes.fromhex(mine) if rank == 1 and mine else bytes(FINGERPRINT_BYTES)
         announced = torch.tensor(list(held), dtype=torch.uint8, device=device)
-        self._wait(offer, group, name, "the base announcement", announced, root=1)
+        self._wait(offer, name, "the base announcement", group.broadcast([announced], _from(1)))
         return _hex(announced)
 
-    def _bucket(self, offer: Offer, group, name: str, index: int, device, takes_delta: bool, base: Base | None):
-        """Bucket `index`, flat; None when it came as a delta this worker cannot rebuild (no usable base)."""
+    def _link(self, offer: Offer, group, name: str, device) -> Link:
+        plan = plan_tensor(None, device)
+        self._wait(offer, name, "the relay plan", group.broadcast([plan], _from(0)))
+        return read_plan(plan)
+
+    def _relays(self, offer: Offer, group, name: str, rank: int, world: int, link: Link):
+        """(where this worker receives from, where it sends on): its replica's group with the trainer or the relay
+        group from the replica before it (None if that did not form); the relay group to the next replica, for the
+        first worker (None: none, or it did not form)."""
+        source = group
+        if link.source:
+            source = self._relay(offer, relay_group(link.source, name, offer.version), rank, world)
+        if link.sink and rank == 1:
+            return source, self._relay(offer, relay_group(name, link.sink, offer.version), 0, link.sink_world)
+        return source, None
+
+    def _relay(self, offer: Offer, name: str, rank: int, world: int) -> dist.ProcessGroup | None:
+        # half the limit: a replica whose relay stalls must give its status before the trainer stops waiting for it
+        try:
+            return join_group(
+                self.stores[offer.store], name, rank, world, offer.backend, offer.timeout_s / 2, offer.host
+            )
+        except RuntimeError as err:
+            log.warning("primerl: v%d: relay group %s did not form: %s", offer.version, name, _first_line(err))
+            return None
+
+    def _pieces(self, offer: Offer, group, name: str, index: int, device, takes_delta: bool, relayed: bool):
+        """Bucket `index` as it travels: [header, delta or whole] to a delta taker, [whole] otherwise. From a relay
+        group, None when it broke (logged)."""
         specs = offer.buckets[index]
         dtype, numel = getattr(torch, specs[0].dtype), sum(spec.numel for spec in specs)
         what = f"bucket {index + 1}/{len(offer.buckets)}"
-        changed = WHOLE
+        pieces = []
         if takes_delta:
-            header = torch.empty(1, dtype=torch.int64, device=device)
-            self._wait(offer, group, name, what, header)
-            changed = int(header.item())
+            pieces.append(torch.empty(1, dtype=torch.int64, device=device))
+            if not self._receive(offer, group, name, what, pieces[-1], relayed):
+                return None
+        changed = int(pieces[0].item()) if takes_delta else WHOLE
         if changed == WHOLE:
-            flat = torch.empty(numel, dtype=dtype, device=device)
-            self._wait(offer, group, name, what, flat)
-            return flat
-        element_size = torch.empty((), dtype=dtype).element_size()
-        payload = torch.empty(delta_bytes(numel, element_size, changed), dtype=torch.uint8, device=device)
-        self._wait(offer, group, name, what, payload)
-        if base is None:
+            pieces.append(torch.empty(numel, dtype=dtype, device=device))
+        else:
+            element_size = torch.empty((), dtype=dtype).element_size()
+            pieces.append(torch.empty(delta_bytes(numel, element_size, changed), dtype=torch.uint8, device=device))
+        return pieces if self._receive(offer, group, name, what, pieces[-1], relayed) else None
+
+    def _receive(self, offer: Offer, group, name: str, what: str, tensor: torch.Tensor, relayed: bool) -> bool:
+        if not relayed:
+            self._wait(offer, name, what, group.broadcast([tensor], _from(0)))
+            return True
+        try:
+            group.broadcast([tensor], _from(0)).wait()
+            return True
+        except RuntimeError as err:
+            log.warning("primerl: v%d: %s from the relay before %s: %s", offer.version, what, name, _first_line(err))
+            return False
+
+    def _forward(self, offer: Offer, sink, pieces: list[torch.Tensor]):
+        """Send a bucket's pieces on to the next replica; the relay group, or None once it broke (logged)."""
+        if sink is None:
             return None
         try:
-            return decode(base.buckets[index], changed, payload)
-        except ValueError as err:
-            raise TransferError(f"collective weights v{offer.version}: {what} of group {name}: {err}") from err
+            for piece in pieces:
+                sink.broadcast([piece], _from(0)).wait()
+            return sink
+        except RuntimeError as err:
+            log.warning("primerl: v%d: the relay to the next replica broke: %s", offer.version, _first_line(err))
+            return None
 
-    def _wait(self, offer: Offer, group, name: str, what: str, tensor: torch.Tensor, root: int = 0) -> None:
+    def _unpacked(self, offer: Offer, name: str, index: int, pieces: list[torch.Tensor], usable: Base | None):
+        """Bucket `index`'s tensors, rebuilt from a delta on `usable`; none when this worker cannot rebuild it."""
+        if len(pieces) == 1 or int(pieces[0].item()) == WHOLE:
+            flat = pieces[-1]
+        elif usable is None:
+            return
+        else:
+            try:
+                flat = decode(usable.buckets[index], int(pieces[0].item()), pieces[1])
+            except ValueError as err:
+                what = f"bucket {index + 1}/{len(offer.buckets)}"
+                raise TransferError(f"collective weights v{offer.version}: {what} of group {name}: {err}") from err
+        if self._received is not None:
+            self._received.buckets.append(flat.cpu())
+        offset = 0
+        for spec in offer.buckets[index]:
+            yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
+            offset += spec.numel
+
+    def _wait(self, offer: Offer, name: str, what: str, work) -> None:
         try:
-            group.broadcast([tensor], _from(root)).wait()
+            work.wait()
         except RuntimeError as err:
             del self.groups[(offer.sender, name)]
             self.joins += 1
