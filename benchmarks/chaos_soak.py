@@ -90,6 +90,7 @@ class Soak:
                 f"inference.pd.prefill_port={ports}",
                 f"inference.pd.decode_port={ports + 2}",
             ]
+        self.cmd += args.set  # the user's own overrides come last, so they win
         if not self.disk.available:
             print("disk_full left out: mounting a tmpfs on the run's rollouts/ needs root", flush=True)
         self.plan = kinds + [rng.choice(kinds) for _ in range(max(0, args.faults - len(kinds)))]

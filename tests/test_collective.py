@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from primerl.config.model import TinyArchConfig
 from primerl.model.tiny import build_tiny_model
-from primerl.transport.collective import TransferError, WeightSender
+from primerl.transport.collective import WeightSender
 from primerl.transport.fingerprint import fingerprint_of
+from primerl.transport.groups import TransferError
 from primerl.transport.offer import Offer, TensorSpec, plan_buckets, spec_of
 from primerl.transport.receiver import WeightReceiver
 from primerl.transport.run_dir import weights_path
@@ -332,7 +333,8 @@ def test_with_relay_each_bucket_leaves_the_trainer_once_and_a_relay_that_dies_co
     """Three replicas in a chain (r0 -> r1 -> r2; r1 a process of its own, r2 of two workers). v1 goes whole: the
     trainer's egress is the version's bytes once, not three times. v2 goes as deltas down the same chain, and r1 is
     killed -9 once it passed its first bucket on: r2 says it lacks the rest, the trainer sends it from its copy, and
-    r0 and r2 serve v2 bit for bit, within seconds (weights.timeout_s is 20)."""
+    r0 and r2 serve v2 bit for bit, within seconds (weights.timeout_s is 20). The chain without r1 forms a new relay
+    group once and keeps it."""
     import multiprocessing as mp
 
     buckets = plan_buckets([spec_of(name, tensor) for name, tensor in TENSORS.items()], 4096)
@@ -370,5 +372,15 @@ def test_with_relay_each_bucket_leaves_the_trainer_once_and_a_relay_that_dies_co
         assert 0 < sender.egress[first] < whole / 2 and sender.egress[remote] == 0  # r1 got v2 from r0 only
         assert 0 < sender.egress[last] < sender.egress[first]  # the rest of v2, for r2
         assert "lost its relay at bucket 2/3; the trainer sends it the rest" in caplog.text
+
+        # the chain without r1 forms a new relay group at v3, and v4 (same chain) reuses it
+        del groups[remote]
+        held = {}
+        for version in (3, 4):
+            out = _version(sender, sender.offer(version, buckets), TENSORS, groups, workers)
+            assert all(fingerprint_of(got) == fingerprint_of(TENSORS) for got in out.values())
+            assert sender.egress == {first: whole, last: 0}
+            held[version] = dict(workers[last][0].relays)
+        assert held[3] == held[4] and [name for _, name in held[3]] == [f"{first}>{last}.e3"]
     finally:
         process.kill()

@@ -29,7 +29,6 @@ open this file. A worker takes a store only from below its run's weights directo
 is served in any case (primerl.inference.worker_extension).
 """
 
-import datetime
 import threading
 import uuid
 from collections.abc import Iterator
@@ -40,61 +39,12 @@ import torch.distributed as dist
 
 from primerl.transport.delta import WHOLE, Base, encode
 from primerl.transport.fingerprint import FINGERPRINT_BYTES, Fingerprint
+from primerl.transport.groups import as_hex, first_line, from_rank, join_group, least
 from primerl.transport.offer import Offer, TensorSpec, in_buckets
 from primerl.transport.relay import Link, chains, links, plan_tensor
 from primerl.utils.log import get_logger
-from primerl.utils.process import is_loopback
 
 log = get_logger(__name__)
-
-
-class TransferError(RuntimeError):
-    """A collective weight transfer that failed or stalled past `weights.timeout_s`."""
-
-
-def _options(backend: str, timeout_s: float, host: str):
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return options
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    # on loopback both sides bind 127.0.0.1; across nodes each binds the interface its host name resolves to
-    loopback = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if is_loopback(host) else None
-    options._devices = [loopback or dist.ProcessGroupGloo.create_default_device()]
-    return options
-
-
-def join_group(
-    store: dist.Store, name: str, rank: int, world: int, backend: str, timeout_s: float, host: str
-) -> dist.ProcessGroup:
-    """This process's member of group `name` (blocks until all `world` members joined, at most `timeout_s`)."""
-    prefixed = dist.PrefixStore(f"primerl/{name}", store)
-    options = _options(backend, timeout_s, host)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefixed, rank, world, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world, options)
-
-
-def _from(root: int) -> dist.BroadcastOptions:
-    options = dist.BroadcastOptions()
-    options.rootRank = root
-    return options
-
-
-def _least() -> dist.AllreduceOptions:
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
-    return options
-
-
-def _hex(fingerprint: torch.Tensor) -> str:
-    return bytes(fingerprint.cpu().tolist()).hex()
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 class WeightSender:
@@ -111,6 +61,8 @@ class WeightSender:
         self.base: Base | None = None  # the last version sent, with delta
         self.egress: dict[str, int] = {}  # the last transfer's bytes, by group
         self.delta_takers: set[str] = set()  # the last transfer's groups that were sent deltas
+        self._chains: list[list[str]] = []  # with relay: the last version's chains, and the version that formed them
+        self._epoch = 0
         self.id = uuid.uuid4().hex
         store_dir = Path(store_dir)
         store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -154,7 +106,7 @@ class WeightSender:
             except RuntimeError as err:
                 log.warning(
                     f"collective weights v{version}: group {name} did not form on the trainer side within "
-                    f"{self.timeout_s:g}s (weights.timeout_s): {_first_line(err)}"
+                    f"{self.timeout_s:g}s (weights.timeout_s): {first_line(err)}"
                 )
 
         threads = [threading.Thread(target=join, args=(name,)) for name in wanted if name not in self.groups]
@@ -173,7 +125,10 @@ class WeightSender:
         takers = self.delta_takers = self._delta_takers(offer) if offer.base else set()
         chained = chains(list(self.groups), takers) if offer.relay else [[name] for name in self.groups]
         if offer.relay:
-            self._plan(offer, links(chained, groups))
+            if chained != self._chains:  # new members, or a relay broke last time: new relay groups
+                self._epoch = offer.version
+            self._chains = chained
+            self._plan(offer, links(chained, groups, self._epoch))
         self.egress = dict.fromkeys(self.groups, 0)
         fingerprint, kept = Fingerprint(), []
         for index, specs, tensors in in_buckets(offer, named):
@@ -194,7 +149,7 @@ class WeightSender:
     def _plan(self, offer: Offer, planned: dict[str, Link]) -> None:
         """Tell each group its place in its chain, before the first bucket."""
         works = {
-            name: group.broadcast([plan_tensor(planned[name], self.device)], _from(0))
+            name: group.broadcast([plan_tensor(planned[name], self.device)], from_rank(0))
             for name, group in self.groups.items()
         }
         for name, work in works.items():
@@ -205,12 +160,13 @@ class WeightSender:
         kept, to each group that lost its relay. In chain order: a group behind a repaired one finishes after it."""
         total = len(offer.buckets)
         missing = {name: torch.tensor([total], dtype=torch.int64, device=self.device) for name in self.groups}
-        works = {name: self.groups[name].allreduce([missing[name]], _least()) for name in missing}
+        works = {name: self.groups[name].allreduce([missing[name]], least()) for name in missing}
         for name in order:
             if name not in works or not self._wait(offer, name, "the relay status", works[name]):
                 continue
             first = int(missing[name].item())
             if first < total:
+                self._chains = []  # that relay group is broken: the next version forms new ones
                 log.warning(
                     f"collective weights v{offer.version}: group {name} lost its relay at bucket {first + 1}/{total}; "
                     "the trainer sends it the rest"
@@ -224,10 +180,10 @@ class WeightSender:
         announced = {
             name: torch.zeros(FINGERPRINT_BYTES, dtype=torch.uint8, device=self.device) for name in self.groups
         }
-        works = {name: self.groups[name].broadcast([announced[name]], _from(1)) for name in announced}
+        works = {name: self.groups[name].broadcast([announced[name]], from_rank(1)) for name in announced}
         for name, work in works.items():
             self._wait(offer, name, "the base announcement", work)
-        return {name for name in self.groups if _hex(announced[name]) == offer.base}
+        return {name for name in self.groups if as_hex(announced[name]) == offer.base}
 
     def _send(self, offer: Offer, index: int, flat: torch.Tensor, takers: set[str], delta, to: set[str]) -> None:
         """Broadcast bucket `index` into the groups `to` at once (to the delta takers: a header, then the delta or
@@ -238,11 +194,11 @@ class WeightSender:
             if name not in to:
                 continue
             if name not in takers:
-                works[name] = [group.broadcast([flat], _from(0))]
+                works[name] = [group.broadcast([flat], from_rank(0))]
                 sent = flat.numel() * flat.element_size()
             else:
                 payload = flat if delta is None else delta[1]
-                works[name] = [group.broadcast([header], _from(0)), group.broadcast([payload], _from(0))]
+                works[name] = [group.broadcast([header], from_rank(0)), group.broadcast([payload], from_rank(0))]
                 sent = header.numel() * 8 + payload.numel() * payload.element_size()
             self.egress[name] = self.egress.get(name, 0) + sent
         for name, group_works in works.items():
@@ -257,7 +213,7 @@ class WeightSender:
         except RuntimeError as err:
             log.warning(
                 f"collective weights v{offer.version}: {what} to group {name} failed on the trainer side "
-                f"({_first_line(err)}); that replica is left out until it joins again"
+                f"({first_line(err)}); that replica is left out until it joins again"
             )
             self.groups.pop(name, None)
             return False

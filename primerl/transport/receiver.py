@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from primerl.transport.collective import TransferError, _first_line, _from, _hex, _least, join_group
 from primerl.transport.delta import WHOLE, Base, decode, delta_bytes
 from primerl.transport.fingerprint import FINGERPRINT_BYTES
+from primerl.transport.groups import TransferError, as_hex, first_line, from_rank, join_group, least
 from primerl.transport.offer import Offer
 from primerl.transport.relay import Link, plan_tensor, read_plan, relay_group
 
@@ -34,6 +34,8 @@ class WeightReceiver:
         self.groups: dict[tuple[str, str], dist.ProcessGroup] = {}
         self.stores: dict[str, dist.Store] = {}
         self.base: Base | None = None  # the version this worker proved last, with weights.delta
+        # with weights.relay: the relay groups of the chains now, by the sender whose store they formed in and name
+        self.relays: dict[tuple[str, str], dist.ProcessGroup] = {}
         self._received: Base | None = None  # the load in progress, until `settle`
 
     @property
@@ -68,7 +70,7 @@ class WeightReceiver:
             have += 1
         if link is not None:
             missing = torch.tensor([have], dtype=torch.int64, device=device)
-            self._wait(offer, name, "the relay status", group.allreduce([missing], _least()))
+            self._wait(offer, name, "the relay status", group.allreduce([missing], least()))
             for index in range(int(missing.item()), total):  # what a member of this replica lacks
                 pieces = self._pieces(offer, group, name, index, device, takes_delta, relayed=False)
                 if index >= have:
@@ -85,33 +87,38 @@ class WeightReceiver:
         mine = base.fingerprint if base is not None and base.serves(offer.buckets) else ""
         held = bytes.fromhex(mine) if rank == 1 and mine else bytes(FINGERPRINT_BYTES)
         announced = torch.tensor(list(held), dtype=torch.uint8, device=device)
-        self._wait(offer, name, "the base announcement", group.broadcast([announced], _from(1)))
-        return _hex(announced)
+        self._wait(offer, name, "the base announcement", group.broadcast([announced], from_rank(1)))
+        return as_hex(announced)
 
     def _link(self, offer: Offer, group, name: str, device) -> Link:
         plan = plan_tensor(None, device)
-        self._wait(offer, name, "the relay plan", group.broadcast([plan], _from(0)))
+        self._wait(offer, name, "the relay plan", group.broadcast([plan], from_rank(0)))
         return read_plan(plan)
 
     def _relays(self, offer: Offer, group, name: str, rank: int, world: int, link: Link):
         """(where this worker receives from, where it sends on): its replica's group with the trainer or the relay
         group from the replica before it (None if that did not form); the relay group to the next replica, for the
         first worker (None: none, or it did not form)."""
-        source = group
-        if link.source:
-            source = self._relay(offer, relay_group(link.source, name, offer.version), rank, world)
-        if link.sink and rank == 1:
-            return source, self._relay(offer, relay_group(name, link.sink, offer.version), 0, link.sink_world)
-        return source, None
+        source_name = relay_group(link.source, name, link.epoch) if link.source else ""
+        sink_name = relay_group(name, link.sink, link.epoch) if link.sink and rank == 1 else ""
+        wanted = {(offer.sender, source_name), (offer.sender, sink_name)}
+        self.relays = {key: relay for key, relay in self.relays.items() if key in wanted}
+        source = self._relay(offer, source_name, rank, world) if source_name else group
+        return source, self._relay(offer, sink_name, 0, link.sink_world) if sink_name else None
 
     def _relay(self, offer: Offer, name: str, rank: int, world: int) -> dist.ProcessGroup | None:
+        """Relay group `name`, joined unless this worker holds it already; None when it did not form (logged)."""
+        key = (offer.sender, name)
+        if key in self.relays:
+            return self.relays[key]
         # half the limit: a replica whose relay stalls must give its status before the trainer stops waiting for it
         try:
-            return join_group(
+            self.relays[key] = join_group(
                 self.stores[offer.store], name, rank, world, offer.backend, offer.timeout_s / 2, offer.host
             )
+            return self.relays[key]
         except RuntimeError as err:
-            log.warning("primerl: v%d: relay group %s did not form: %s", offer.version, name, _first_line(err))
+            log.warning("primerl: v%d: relay group %s did not form: %s", offer.version, name, first_line(err))
             return None
 
     def _pieces(self, offer: Offer, group, name: str, index: int, device, takes_delta: bool, relayed: bool):
@@ -135,13 +142,14 @@ class WeightReceiver:
 
     def _receive(self, offer: Offer, group, name: str, what: str, tensor: torch.Tensor, relayed: bool) -> bool:
         if not relayed:
-            self._wait(offer, name, what, group.broadcast([tensor], _from(0)))
+            self._wait(offer, name, what, group.broadcast([tensor], from_rank(0)))
             return True
         try:
-            group.broadcast([tensor], _from(0)).wait()
+            group.broadcast([tensor], from_rank(0)).wait()
             return True
         except RuntimeError as err:
-            log.warning("primerl: v%d: %s from the relay before %s: %s", offer.version, what, name, _first_line(err))
+            log.warning("primerl: v%d: %s from the relay before %s: %s", offer.version, what, name, first_line(err))
+            self._drop(group)
             return False
 
     def _forward(self, offer: Offer, sink, pieces: list[torch.Tensor]):
@@ -150,11 +158,15 @@ class WeightReceiver:
             return None
         try:
             for piece in pieces:
-                sink.broadcast([piece], _from(0)).wait()
+                sink.broadcast([piece], from_rank(0)).wait()
             return sink
         except RuntimeError as err:
-            log.warning("primerl: v%d: the relay to the next replica broke: %s", offer.version, _first_line(err))
+            log.warning("primerl: v%d: the relay to the next replica broke: %s", offer.version, first_line(err))
+            self._drop(sink)
             return None
+
+    def _drop(self, broken: dist.ProcessGroup) -> None:
+        self.relays = {key: relay for key, relay in self.relays.items() if relay is not broken}
 
     def _unpacked(self, offer: Offer, name: str, index: int, pieces: list[torch.Tensor], usable: Base | None):
         """Bucket `index`'s tensors, rebuilt from a delta on `usable`; none when this worker cannot rebuild it."""
@@ -183,7 +195,7 @@ class WeightReceiver:
             self.joins += 1
             raise TransferError(
                 f"collective weights v{offer.version}: {what} did not arrive on the worker side of group {name} "
-                f"within {2 * offer.timeout_s:g}s (2 x weights.timeout_s): {_first_line(err)}"
+                f"within {2 * offer.timeout_s:g}s (2 x weights.timeout_s): {first_line(err)}"
             ) from err
 
     def _group(self, offer: Offer, name: str, rank: int, world: int) -> dist.ProcessGroup:
@@ -202,6 +214,6 @@ class WeightReceiver:
                 self.joins += 1
                 raise TransferError(
                     f"collective weights v{offer.version}: group {name} did not form on the worker side within "
-                    f"{offer.timeout_s:g}s (weights.timeout_s): {_first_line(err)}"
+                    f"{offer.timeout_s:g}s (weights.timeout_s): {first_line(err)}"
                 ) from err
         return self.groups[key]

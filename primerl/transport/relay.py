@@ -15,7 +15,10 @@ statuses in chain order, so a replica waiting on a repaired one is answered afte
 when its process dies (its sockets close); a relay on a node that went away is seen after `weights.timeout_s`, and
 the replica behind it may then lose the version too (its status comes after the trainer's wait).
 
-Relay groups are formed for one version (named by both replicas' groups and the version) and dropped after it.
+Relay groups last while their chain does: named by both replicas' groups and the chain's epoch (the version at which
+the trainer last formed the chains: a change of members or a broken relay starts a new one), so a version whose
+chains are those of the last one reuses its relay groups (an NCCL communicator costs far more to form than a bucket
+to send), and a relay that broke is never joined again under its old name.
 """
 
 import json
@@ -34,6 +37,7 @@ class Link:
     source: str = ""
     sink: str = ""
     sink_world: int = 0
+    epoch: int = 0  # the version at which the trainer formed these chains
 
 
 def chains(groups: list[str], takers: set[str]) -> list[list[str]]:
@@ -43,18 +47,18 @@ def chains(groups: list[str], takers: set[str]) -> list[list[str]]:
     return [chain for chain in found if chain]
 
 
-def links(chained: list[list[str]], worlds: dict[str, int]) -> dict[str, Link]:
+def links(chained: list[list[str]], worlds: dict[str, int], epoch: int) -> dict[str, Link]:
     found = {}
     for chain in chained:
         for position, name in enumerate(chain):
             source = chain[position - 1] if position else ""
             sink = chain[position + 1] if position + 1 < len(chain) else ""
-            found[name] = Link(source, sink, worlds[sink] if sink else 0)
+            found[name] = Link(source, sink, worlds[sink] if sink else 0, epoch)
     return found
 
 
-def relay_group(source: str, sink: str, version: int) -> str:
-    return f"{source}>{sink}.v{version}"
+def relay_group(source: str, sink: str, epoch: int) -> str:
+    return f"{source}>{sink}.e{epoch}"
 
 
 def plan_tensor(link: Link | None, device: torch.device) -> torch.Tensor:
