@@ -9,8 +9,10 @@ step's loss and gradient norm are finite and the step's log-probs agree with a f
 slice of the row (the chunked path is the real one). MFU counts 6 x parameters x tokens plus attention's
 12 x layers x hidden x seq per token (x4/3 with checkpointing, which recomputes the forward) against the device's
 dense bf16 peak (`--peak-tflops`, else a table of known devices). `--cpu` with a small `--layers/--hidden` runs the
-same code on a CPU (how it is tested here; no MFU there). A last item checks `weights.delta`'s codec on the device:
-bit-exact against the CPU path, and its rates.
+same code on a CPU (how it is tested here; no MFU there). Two last items check the weights' way to many replicas:
+`weights.delta`'s codec on the device (bit-exact against the CPU path, and its rates), and `weights.relay` with
+deltas to `--receivers` stand-in replicas over NCCL, one GPU each (skipped on a machine with fewer GPUs; over gloo
+with `--cpu`).
 """
 
 import argparse
@@ -175,6 +177,55 @@ def delta_codec_item(values: int, device: torch.device, changed: float = 0.1) ->
     }
 
 
+def relay_item(receivers: int, on_gpu: bool) -> dict | None:
+    """`weights.relay` with `weights.delta` through the run's sender to `receivers` stand-in replicas, one process
+    each (benchmarks.weights_fanout): over NCCL with one GPU each (the sender on GPU 0), or over gloo on CPU. A whole
+    version, then a delta; passes when every receiver proves both bit for bit and the trainer sent each once. None when
+    the GPUs are too few."""
+    import multiprocessing as mp
+
+    from benchmarks.weights_fanout import changed, one_version, receive
+    from primerl.transport.collective import WeightSender
+    from primerl.transport.offer import plan_buckets, spec_of
+
+    if on_gpu and torch.cuda.device_count() < receivers + 1:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1 << 20, generator=generator).bfloat16() for i in range(8)}  # 16 MiB
+    buckets = plan_buckets([spec_of(name, tensor) for name, tensor in state.items()], 4 << 20)
+    context = mp.get_context("spawn")
+    pipes = [context.Pipe() for _ in range(receivers)]
+    devices = [f"cuda:{1 + i}" if on_gpu else "cpu" for i in range(receivers)]
+    processes = [
+        context.Process(target=receive, args=(child, device), daemon=True)
+        for (_, child), device in zip(pipes, devices, strict=True)
+    ]
+    for process in processes:
+        process.start()
+    conns = [parent for parent, _ in pipes]
+    groups = [f"r{i}-{conn.recv()}" for i, conn in enumerate(conns)]
+    with tempfile.TemporaryDirectory(prefix="primerl-gpu-relay-") as tmp:
+        backend = "nccl" if on_gpu else "gloo"
+        sender = WeightSender("127.0.0.1", tmp, backend, timeout_s=120, delta=True, relay=True)
+        whole = one_version(sender, 1, buckets, state, groups, conns, keep=True)
+        delta = one_version(sender, 2, buckets, changed(state, 0.1, seed=1), groups, conns, keep=False)
+        for conn in conns:
+            conn.send(None)
+        for process in processes:
+            process.join(timeout=60)
+    size = sum(tensor.numel() * 2 for tensor in state.values())
+    return {
+        "relay": True,
+        "backend": backend,
+        "receivers": receivers,
+        "passed": whole[0] == size and 0 < delta[0] < size / 3 and delta[2] == receivers,
+        "whole_egress_mib": whole[0] / 2**20,
+        "delta_egress_mib": delta[0] / 2**20,
+        "whole_s": whole[1],
+        "delta_s": delta[1],
+    }
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -191,6 +242,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, help="a narrower model than Qwen3-0.6B's 1024 (CPU tests)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
     parser.add_argument("--json", help="also write the summary here")
+    parser.add_argument("--receivers", type=int, default=2, help="stand-in replicas of the relay item (a GPU each)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu:
         raise SystemExit("no CUDA device here (torch.cuda.is_available() is False); --cpu runs the CPU path")
@@ -226,6 +278,16 @@ def main() -> None:
     codec = delta_codec_item(min(params, 600_000_000), device)
     items.append(codec)
     print(f"{'PASS' if codec['passed'] else 'FAIL'} delta codec {codec}", flush=True)
+    relayed = relay_item(args.receivers, device.type == "cuda")
+    if relayed is None:
+        print(
+            f"SKIP relay to {args.receivers} receivers: needs {args.receivers + 1} GPUs, this machine has "
+            f"{torch.cuda.device_count()}",
+            flush=True,
+        )
+    else:
+        items.append(relayed)
+        print(f"{'PASS' if relayed['passed'] else 'FAIL'} relay {relayed}", flush=True)
     close_distributed()
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

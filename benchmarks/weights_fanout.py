@@ -34,14 +34,17 @@ from primerl.transport.offer import Offer, plan_buckets, spec_of
 from primerl.transport.receiver import WeightReceiver
 
 
-def receive(conn) -> None:
-    """One stand-in replica: for each offer it is sent, receive, fingerprint, report; settle on the verdict."""
+def receive(conn, device: str = "cpu") -> None:
+    """One stand-in replica: for each offer it is sent, receive, fingerprint, report; settle on the verdict. On a GPU
+    (`device` cuda:N) it receives there, as a vLLM worker does over NCCL."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     receiver = WeightReceiver()
     conn.send(receiver.identity)
     while (message := conn.recv()) is not None:
         offer, group = Offer.from_json(message[0]), message[1]
         fingerprint = Fingerprint()
-        for name, tensor in receiver.tensors(offer, group, 1, 2, torch.device("cpu")):
+        for name, tensor in receiver.tensors(offer, group, 1, 2, torch.device(device)):
             fingerprint.add(name, tensor)
         conn.send((fingerprint.hexdigest(), time.perf_counter()))
         receiver.settle(conn.recv())

@@ -2,9 +2,11 @@
 # The trainer on a CUDA machine in a few minutes: a random model of Qwen3-0.6B's shape trained from generated
 # batches at seq 4096 and 16384, bf16 with fp32 master weights, chunked scoring, activation checkpointing off and on;
 # pass/fail, tokens/s, MFU and peak GPU memory per item, then a JSON summary (benchmarks/gpu_check.py). Needs torch
-# and transformers, not vLLM. Where vLLM is installed too, 3 RL steps of the tiny model end to end on the GPU follow.
+# and transformers, not vLLM. Then the weights' delta codec on the GPU, and relayed weights to 2 stand-in replicas
+# over NCCL (needs 3 GPUs; skipped otherwise). Where vLLM is installed too, 3 RL steps of the tiny model end to end
+# on the GPU follow.
 #
-#   scripts/gpu_check.sh [--seq 4096 16384] [--peak-tflops N]      (summary also in gpu_check.json)
+#   scripts/gpu_check.sh [--seq 4096 16384] [--peak-tflops N] [--receivers 2]      (summary also in gpu_check.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

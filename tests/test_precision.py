@@ -65,16 +65,17 @@ def test_bf16_trains_like_fp32_and_the_same_on_one_and_two_ranks(tmp_path):
 
 def test_the_gpu_check_runs_its_cpu_path(tmp_path):
     """benchmarks/gpu_check.py (scripts/gpu_check.sh on a GPU) on this CPU, with a narrow model: every item trains,
-    its chunked scores match the full-vocabulary path, the delta codec's torch path rebuilds every bit, and the JSON
-    summary says so."""
+    its chunked scores match the full-vocabulary path, the delta codec's torch path rebuilds every bit, a relayed
+    version reaches 2 stand-in replicas leaving the trainer once, and the JSON summary says so."""
     summary_file = tmp_path / "gpu_check.json"
     args = ["--cpu", "--layers", "1", "--hidden", "64", "--seq", "64", "--steps", "2", "--json", str(summary_file)]
     result = run_module("benchmarks.gpu_check", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(summary_file.read_text())
     assert summary["passed"] and summary["precision"] == "bf16"
-    *trained, codec = summary["items"]
+    *trained, codec, relayed = summary["items"]
     assert [(i["seq"], i["activation_checkpointing"]) for i in trained] == [(64, False), (64, True)]
     assert all(i["scores_vs_full_max_gap"] < 1e-3 and i["tokens_per_s"] > 0 for i in trained)
     assert codec["delta_codec"] and codec["passed"] and 0.1 < codec["delta_vs_whole"] < 0.3  # ~10% changed
+    assert relayed["relay"] and relayed["passed"] and relayed["whole_egress_mib"] == 16  # once, for 2 receivers
     assert "PASS seq 64 checkpointing on" in result.stdout

@@ -27,6 +27,7 @@ from primerl.transport.weights import (
     UNPROVEN,
     is_offer,
     read_json_file,
+    rendezvous_dir,
     write_fingerprint,
 )
 from primerl.utils.errors import RunError
@@ -630,11 +631,18 @@ def test_a_replica_that_keeps_its_old_weights_is_caught_loaded_again_and_taken_o
     asyncio.run(main())
 
 
-def offer(run_dir, version: int) -> None:
-    """Stand in for the trainer's collective offer of `version` (its fingerprint written at once, as if sent)."""
+def offer(run_dir, version: int, sender: str = "trainer") -> None:
+    """Stand in for the trainer's collective offer of `version` (its fingerprint written at once, as if sent), by a
+    sender whose rendezvous file is there unless `sender` is "gone"."""
     path = weights_path(run_dir, version)
     path.mkdir(parents=True)
-    write_json(path / OFFER_FILE, {"id": f"offer-{version}-{time.monotonic_ns()}", "version": version})
+    store = rendezvous_dir(run_dir) / f"{sender}.store"
+    if sender != "gone":
+        store.parent.mkdir(parents=True, exist_ok=True)
+        store.touch()
+    write_json(
+        path / OFFER_FILE, {"id": f"offer-{version}-{time.monotonic_ns()}", "version": version, "store": str(store)}
+    )
     write_fingerprint(path, fingerprint_of_version(version))
     (path / STABLE_MARKER).touch()
 
@@ -643,6 +651,32 @@ def answer(run_dir, version: int) -> dict | None:
     path = weights_path(run_dir, version)
     found = read_json_file(path / RECEIVERS_FILE)
     return found["groups"] if found and found["offer"] == read_json_file(path / OFFER_FILE)["id"] else None
+
+
+def test_an_offer_whose_trainer_is_gone_waits_unanswered_for_the_one_its_successor_makes(caplog, tmp_path):
+    """A trainer that resumed from a checkpoint before its newest (damaged) finds an offer of a later version by the
+    trainer before it, whose rendezvous file it removed: nobody can send it, so it is not answered (answered, the
+    replicas would wait on it and never take an older one); once the new trainer withdrew it, its own offer is taken."""
+    servers, replicas, _, _ = replica_set(2)
+    policy = Policy()
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
+
+    async def main():
+        task = asyncio.create_task(watcher.run())
+        offer(tmp_path, 1)
+        await until(lambda: policy.version == 1)
+        offer(tmp_path, 3, sender="gone")
+        await asyncio.sleep(0.3)
+        assert answer(tmp_path, 3) is None and policy.version == 1 and servers[0].loads == [1]
+        assert caplog.text.count("v3 was offered by a trainer that is gone") == 1  # said once, not at every poll
+        shutil.rmtree(weights_path(tmp_path, 3))  # the new trainer withdraws it and offers its checkpoint's version
+        offer(tmp_path, 2)
+        await until(lambda: policy.version == 2)
+        assert answer(tmp_path, 2) == {"r0-p0": 2, "r1-p0": 2} and replicas.up == [True, True]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def test_collective_offers_are_answered_and_a_replica_back_from_a_restart_joins_the_next_one(tmp_path):

@@ -2,7 +2,8 @@
 collective offer, and what follows a load that was not proven.
 
 An offer's answer names the groups of the replicas that will take it; the first answer in place stands
-(primerl.transport.weights.answer_offer), so one the trainer withdrew is taken by nobody. A load that its workers
+(primerl.transport.weights.answer_offer), so one the trainer withdrew is taken by nobody. An offer whose sender is
+gone (its rendezvous file removed by the trainer after it) is not answered: that trainer withdraws it. A load that its workers
 could not prove (their fingerprint is not the trainer's: primerl.inference.worker_extension) left its server paused;
 it is logged with both values and, for a version in files, loaded once more (an offer cannot be sent twice); still
 not proven, the replica goes to the watcher's `fail`, paused, and its recovery loads it anew.
@@ -25,6 +26,7 @@ class Arrival:
         self.run_dir, self.clients = run_dir, clients
         self.transfer_timeout_s = transfer_timeout_s  # weights.timeout_s: how long a sent offer's fingerprint may lag
         self.mismatches = 0  # loads whose fingerprint differed from the trainer's, cumulative
+        self.gone: set[int] = set()  # offers whose sender was gone when an answer was due (logged once each)
 
     def answered(self, version: int) -> bool:
         """Whether offer `version` has its answer."""
@@ -37,6 +39,14 @@ class Arrival:
         given to `fail`), unless the trainer withdrew it first. Returns replica -> group name, of the answer that
         stands. No `targets`: the answer that nobody takes it; targets none of which can be named: no answer."""
         path = weights_path(self.run_dir, version)
+        store = Path(read_json_file(path / OFFER_FILE)["store"])
+        if not store.is_file():  # its trainer is gone: the one after it withdraws this offer and offers its own
+            if version not in self.gone:
+                self.gone.add(version)
+                log.warning(
+                    "v%d was offered by a trainer that is gone (no %s); waiting for its successor", version, store
+                )
+            return {}
         named = await asyncio.gather(*(self.clients[i].collective_group(i) for i in targets), return_exceptions=True)
         groups = {}
         for index, result in zip(targets, named, strict=True):

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from primerl.config.weights import WeightsConfig, WeightTransport
 from primerl.trainer.trainer import Trainer
 from primerl.trainer.weights import export_specs, export_stream
-from primerl.transport.atomic import is_stable, remove_published
+from primerl.transport.atomic import is_stable, remove_published, stable_steps
 from primerl.transport.collective import WeightSender
 from primerl.transport.offer import Offer, in_buckets, plan_buckets, publish_offer, read_offer
-from primerl.transport.run_dir import weights_path
+from primerl.transport.run_dir import weights_path, weights_root
 from primerl.transport.weights import (
     RECEIVERS_FILE,
     answer_offer,
@@ -73,8 +73,15 @@ class Publisher:
 
     def republish(self, version: int) -> None:
         """Collective, at a resume: publish `version` again unless its full weights are there. An offer left by the
-        trainer before is withdrawn first (its sender is gone; the servers may have restarted since)."""
+        trainer before is withdrawn first (its sender is gone; the servers may have restarted since), and so is any
+        offer of a later version (a resume from a checkpoint before the newest, which was damaged: no sender will
+        ever send it, and the orchestrator would wait on it rather than take this one)."""
         path = weights_path(self.run_dir, version)
+        if self.trainer.info.is_main:
+            for later in stable_steps(weights_root(self.run_dir)):
+                if later > version and is_offer(weights_path(self.run_dir, later)):
+                    log.warning(f"v{later}: withdrawn (offered by a trainer before this one, past its checkpoint)")
+                    remove_published(weights_path(self.run_dir, later))
         if is_stable(path) and not is_offer(path):
             return
         if self.trainer.info.is_main:

@@ -12,6 +12,7 @@ and the next version arrives whole.
 import logging
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -202,6 +203,11 @@ class WeightReceiver:
         key = (offer.sender, name)
         if key not in self.groups:
             self.groups = {k: g for k, g in self.groups.items() if k[0] == offer.sender}
+            if not Path(offer.store).is_file():  # a sender's store lives as long as its trainer: this one is gone
+                raise TransferError(
+                    f"collective weights v{offer.version}: its sender is gone (no rendezvous file {offer.store}); "
+                    "that version will never be sent"
+                )
             if offer.store not in self.stores:
                 self.stores = {offer.store: dist.FileStore(offer.store, -1)}
             try:
