@@ -650,7 +650,8 @@ class _StandIn(VllmServer):
 def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_path, monkeypatch):
     """A server killed by a signal during its first start (before it is ready) is a fault like a kill after it
     started: the inference process's supervisor starts it again (counted against its restart budget), instead of
-    the whole run stopping. A server that exits by itself while starting is the engine's refusal: reported at once."""
+    the whole run stopping, and so is one that came up and died before its readiness was seen. A server that exits by
+    itself before it came up is the engine's refusal: reported at once."""
     from primerl.entrypoints.inference import keep_serving
     from primerl.inference.guard import API_KEY_ENV
     from primerl.inference.server import start_side_by_side
@@ -694,6 +695,15 @@ def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_
     refusing = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "r.log", ["--fails-at-start"])
     with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
         start_side_by_side([refusing], 30, supervised=True)
+    # one that came up and died before its readiness was seen is a fault too, not a refusal (the log holds an
+    # earlier start's "startup complete": only this start's lines count)
+    (tmp_path / "d.log").write_text("INFO:     Application startup complete.\n")
+    dying = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "d.log", ["--exits-after-start"])
+    start_side_by_side([dying], 30, supervised=True)
+    assert dying.process.returncode == 0 and dying.came_up() and not refusing.came_up()
+    dying.options = ["--fails-at-start"]
+    with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
+        start_side_by_side([dying], 30, supervised=True)
 
 
 def test_the_engine_error_quoted_is_an_error_line_not_a_warning_that_quotes_one():

@@ -110,8 +110,8 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         with serving(cfg.inference, cfg.output_dir, servers, supervised=True) as routers:
             for server in servers:
-                if server.killed_by_signal():  # keep_serving starts it again at its first poll
-                    log.warning(f"the vLLM server at {server.base_url} was killed while it started")
+                if server.process.poll() is not None:  # keep_serving starts it again at its first poll
+                    log.warning(f"the vLLM server at {server.base_url} stopped while the servers started")
                 else:
                     log.info(f"serving {server.spec.model} at {server.base_url}")
             follow, report = follow_pairs(cfg, routers), live_report(cfg, servers)

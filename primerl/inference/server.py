@@ -56,6 +56,9 @@ def port_in_use(host: str, port: int) -> str:
     )
 
 
+STARTUP_COMPLETE = b"Application startup complete"  # uvicorn's line once vLLM's HTTP server serves
+
+
 class VllmServer:
     """One vLLM server process. Use as a context manager, or call start()/stop()."""
 
@@ -66,6 +69,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.tmp_dir: Path | None = None
         self.starts = 0  # processes spawned, cumulative: the first start and every restart
+        self.log_start = 0  # where this start's lines begin in the log (it holds every start's)
 
     @property
     def base_url(self) -> str:
@@ -100,6 +104,16 @@ class VllmServer:
         found = engine_error(text)
         return f"{found} (exit code {code})" if found else f"exit code {code}, no error in {self.log_path}"
 
+    def came_up(self) -> bool:
+        """Whether this start got as far as serving HTTP (uvicorn's "Application startup complete" in its log): a
+        server that exits after that died, it did not refuse its config (a refusal ends before the HTTP server
+        starts)."""
+        if not self.log_path.exists():
+            return False
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            return STARTUP_COMPLETE in log.read()
+
     def killed_by_signal(self) -> bool:
         """Whether the server's process ended by a signal (a negative exit code), not by its own exit."""
         return self.process is not None and self.process.poll() is not None and self.process.returncode < 0
@@ -116,6 +130,7 @@ class VllmServer:
             raise InferenceStartError(port_in_use(self.spec.host, self.spec.port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        self.log_start = log.tell()
         cmd = self.command()
         # vLLM leaves its ZMQ sockets and dist-init files in the temp dir; a private one goes with the server.
         # torch's compile cache, also kept there by default, stays where it was so that restarts reuse it: its
@@ -203,16 +218,18 @@ class VllmServer:
 
 def start_side_by_side(servers: list[VllmServer], timeout_s: float = 600.0, supervised: bool = False) -> None:
     """Start every server at once (each vLLM start is mostly waiting), then wait for each to be ready. `supervised`:
-    a server killed by a signal while it starts (the OOM killer, an operator's kill) is left exited for its
-    supervisor to start again, counted against its restart budget (primerl.entrypoints.inference.keep_serving); a
-    server that exits by itself, or is not ready in time, stops the start: the engine's own refusal, reported at once."""
+    a server killed by a signal while it starts (the OOM killer, an operator's kill), or one that came up and died
+    before its readiness was seen (the orchestrator may use a server the moment it answers, while this waits on
+    another: a worker killed in its first weight load did that), is left exited for its supervisor to start again,
+    counted against its restart budget (primerl.entrypoints.inference.keep_serving); a server that exits by itself
+    before it came up, or is not ready in time, stops the start: the engine's own refusal, reported at once."""
     for server in servers:
         server.spawn()
     for server in servers:
         try:
             server.wait_ready(timeout_s)
         except InferenceStartError:
-            if not (supervised and server.killed_by_signal()):
+            if not (supervised and (server.killed_by_signal() or server.came_up())):
                 raise
 
 

@@ -171,8 +171,8 @@ class WeightSender:
                     f"collective weights v{offer.version}: group {name} lost its relay at bucket {first + 1}/{total}; "
                     "the trainer sends it the rest"
                 )
-            for index in range(first, total):
-                self._send(offer, index, kept[index][0], takers, kept[index][1], {name})
+            for index in range(first, total):  # the kept copy is in host memory: NCCL sends from the device
+                self._send(offer, index, kept[index][0].to(self.device), takers, kept[index][1], {name})
 
     def _delta_takers(self, offer: Offer) -> set[str]:
         """The groups whose replica serves the offer's base: each group's first worker (rank 1) announces the

