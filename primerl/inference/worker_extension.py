@@ -44,6 +44,8 @@ from primerl.utils.failpoints import failpoint
 
 log = logging.getLogger(__name__)
 IDLE_SPIN_ENV = "PRIMERL_VLLM_IDLE_SPIN_S"  # set by primerl.inference.vllm_args from inference.cpu_idle_spin_s
+# "0,1": the cores a CPU server's engine-core process runs its model on (inference.cpu_executor=uni; vllm_args)
+ENGINE_CORES_ENV = "PRIMERL_VLLM_ENGINE_CORES"
 
 
 def shorten_idle_spin(busy_loop_s: float) -> bool:
@@ -68,8 +70,18 @@ def shorten_idle_spin(busy_loop_s: float) -> bool:
     return True
 
 
+def pin_engine_thread(cores: str) -> None:
+    """Run this thread, and the OpenMP threads torch starts from it later, on `cores` ("0,1"): what vLLM's worker
+    process gets from VLLM_CPU_OMP_THREADS_BIND, for a model run in the engine-core process, whose main thread
+    creates the worker (and imports this module). The engine's socket threads, started earlier, stay unpinned."""
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})  # 0: the calling thread
+    log.info("primerl: the engine runs its model on cores %s", cores)
+
+
 if os.environ.get(IDLE_SPIN_ENV):  # imported by vLLM in each worker process (--worker-extension-cls)
     shorten_idle_spin(float(os.environ[IDLE_SPIN_ENV]))
+if os.environ.get(ENGINE_CORES_ENV):
+    pin_engine_thread(os.environ[ENGINE_CORES_ENV])
 
 
 def _killed_after_the_first(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
