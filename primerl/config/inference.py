@@ -90,9 +90,9 @@ class InferenceConfig:
     # (measured: benchmarks/results.md, "Step profile"). None: vLLM's.
     cpu_idle_spin_s: float | None = bounded(0.005, ge=0)
     # CPU only: where vLLM runs the model. uni: in its engine-core process, one Python start fewer and no hand-over
-    # between two processes per engine step (start 31 -> 22 s, raw completion tokens/s 1.5x: benchmarks/results.md,
-    # "vLLM-CPU in one engine process"); the engine's thread is pinned to the server's cores by primerl's worker
-    # extension. mp: vLLM's own worker process (cpu_idle_spin_s applies to it).
+    # between two processes per engine step (ready in ~25 s, not ~33: benchmarks/results.md, "vLLM-CPU with the model
+    # in its engine process"); primerl's worker extension pins the engine's thread to the server's cores (vllm_args
+    # bind_cores). mp: vLLM's own worker process, which cpu_idle_spin_s applies to.
     cpu_executor: CpuExecutor = CpuExecutor.uni
     # None: eager on CPU (no graph capture or compile wait), CUDA graphs on GPU; true / false to choose
     enforce_eager: bool | None = None
