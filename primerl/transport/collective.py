@@ -80,17 +80,17 @@ class WeightSender:
     def offer(self, version: int, buckets: list[list[TensorSpec]]) -> Offer:
         base = self.base.fingerprint if self.base is not None and self.base.serves(buckets) else ""
         return Offer(
-            uuid.uuid4().hex,
-            version,
-            self.id,
-            str(self.store_path),
-            self.backend,
-            self.timeout_s,
-            buckets,
-            self.host,
-            self.delta,
-            base,
-            self.relay,
+            id=uuid.uuid4().hex,
+            version=version,
+            sender=self.id,
+            store=str(self.store_path),
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            buckets=buckets,
+            host=self.host,
+            delta=self.delta,
+            base=base,
+            relay=self.relay,
         )
 
     def connect(self, version: int, wanted: dict[str, int]) -> None:
