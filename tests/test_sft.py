@@ -1,6 +1,8 @@
 """SFT data (assistant-only masks, packing) and FSDP2 SFT runs on 1 and 2 gloo ranks."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -266,3 +268,22 @@ def test_an_env_without_demonstrations_starts_rl_from_the_base_model(caplog):
 
     assert not sft_needed(check(["+experiment=reverse_text", "env=verifiers", "env.id=primerl-guess-number"]))
     assert "no SFT warm-start: no demonstrations for env.id=primerl-guess-number" in caplog.text
+
+
+def test_the_processes_of_a_run_read_the_drivers_start_model_without_importing_the_env(tmp_path):
+    """The driver decides the start model (importing the env's package for its demonstrations hook: verifiers, ~5 s
+    on 2 cores) and records it in the run; a process of the run with the same config reads it back without that
+    import, and one whose config differs in what the decision depends on decides again."""
+    from primerl.launch.start import decide_start_model, prepare_start_model, record_start_model
+
+    overrides = ["+experiment=reverse_text", f"output_dir={tmp_path}"]
+    recorded = record_start_model(check(overrides))
+    assert recorded == decide_start_model(check(overrides))  # the SFT warm-start's directory
+    code = (
+        "import sys; from primerl.app import check; from primerl.launch.start import prepare_start_model; "
+        f"print(prepare_start_model(check({overrides!r}))); print('primerl_reverse_text' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == [recorded, "False"]
+    other = check([*overrides, "sft.enabled=false"])
+    assert prepare_start_model(other) == decide_start_model(other) != recorded

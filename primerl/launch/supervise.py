@@ -77,6 +77,7 @@ def run_topology(
     wandb: "WandbTracker | None" = None,
 ) -> None:
     """Run the topology to its end; `ledger` (MLflow) and `wandb` record it as it goes."""
+    from primerl.launch.start import record_start_model
     from primerl.ledger.follower import FollowerThread, MetricsFollower
 
     run_dir = Path(cfg.output_dir).resolve()
@@ -89,6 +90,7 @@ def run_topology(
     progress, finished = Progress(run_dir, cfg), False
     try:
         warm_start(cfg, overrides, launcher, trackers, run_dir)
+        record_start_model(cfg)  # the processes read it back instead of importing the env to decide it again
         launcher.start(overrides)
         progress.topology_starting()
         log.info(f"run directory {run_dir} (logs in {run_dir / 'logs'})")

@@ -13,6 +13,7 @@
   inference_address.json         SLURM: where the inference job serves (job j > 0: inference_address.<j>.json)
   prefill_address.json           SLURM with prefill/decode: where the prefill job serves (j > 0: ...<j>.json)
   run_settings.json              the settings a resume must keep (primerl.launch.resume)
+  start_model.json               the weights the driver decided this start serves and trains (primerl.launch.start)
   format.json                    the directory's format version (primerl.transport.formats)
   ledger.json                    the MLflow run that records this directory
   fork.json                      the run and step a fork started from (primerl.launch.fork)
@@ -103,6 +104,10 @@ def run_format_path(run_dir: str | Path) -> Path:
 
 def run_settings_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "run_settings.json"
+
+
+def start_model_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "start_model.json"
 
 
 def wandb_record_path(run_dir: str | Path) -> Path:
