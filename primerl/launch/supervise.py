@@ -112,7 +112,6 @@ def run_topology(
 
 def warm_start(cfg: RunConfig, overrides: list[str], launcher: Launcher, trackers: list, run_dir: Path) -> None:
     """The SFT warm-start when it is needed, and its results in the run's records."""
-    from primerl.ledger.record import record_sft
     from primerl.sft.cache import sft_checkpoint_dir
 
     # sweep jobs with one SFT cache key take turns: the first trains it, the others find it STABLE and reuse it
@@ -121,6 +120,10 @@ def warm_start(cfg: RunConfig, overrides: list[str], launcher: Launcher, tracker
         if sft_needed(cfg):
             # the train run's records hold the SFT results; the SFT process keeps none of its own
             launcher.run_sft([*overrides, "ledger.enabled=false"])
+    if not trackers:  # nothing to record (and MLflow's import, ~1.3 s on 2 cores, stays out of the servers' way)
+        return
+    from primerl.ledger.record import record_sft
+
     results = sft_metrics_path(sft_run_dir(run_dir))
     for tracker in trackers:
         bookkeeping("recording the SFT results", functools.partial(record_sft, tracker, results))
