@@ -1,7 +1,7 @@
 """primerl vs Hugging Face TRL's GRPOTrainer, side by side in one run, on this machine.
 
     python -m benchmarks.peer [--steps 20] [--lr 3e-4] [--hidden 512 --max-tokens 128] [--rounds 3]
-                              [--trl-threads N]
+                              [--trl-threads N] [--vs OVERRIDE ...]
 
 Both start from primerl's SFT checkpoint of `+experiment=reverse_text` (run `make sft` first), or with `--hidden H`
 from the same randomly initialised Qwen3 of width H (4 layers, no SFT: a model where generation matters), and do the
@@ -16,7 +16,9 @@ the time per phase (start-up until the first trained step; generation; training;
 length, and the thread settings, then the medians and ranges over rounds and primerl's wall-time ratio to TRL's.
 Each run also records the machine's 1-minute load average when it started. `--trl-threads N` sets torch's threads in
 TRL (default: its own choice, every core it sees); `--busy N` keeps N single-threaded busy loops running beside both
-sides, as another job on a shared machine would.
+sides, as another job on a shared machine would. `--vs OVERRIDE ...` adds a third side in every round: primerl with
+those overrides (`primerl+`), e.g. `--vs orchestrator.async_level=0 launcher.trainer_threads=2` for generation and
+training taking turns, each with every core.
 """
 
 import argparse
@@ -76,12 +78,12 @@ def score(model_dir: Path, output_dir: Path, overrides: list[str]) -> str:
     return f"{result['reward_mean']:.4f} ± {result['reward_stderr']:.4f}"
 
 
-def run_primerl(args, overrides: list[str], run: Path) -> dict:
+def run_primerl(args, overrides: list[str], run: Path, variant: list[str] = ()) -> dict:
     """One primerl run; its wall time and phases from its metrics (generation: the orchestrator's time between batch
     cuts; training: the trainer's steps; weight sync: publishing plus the servers' pauses for loads)."""
     cmd = [sys.executable, "-m", "primerl.train", "+experiment=reverse_text", f"trainer.max_steps={args.steps}"]
     cmd += [f"trainer.optim.lr={args.lr}", f"inference.port={free_port()}", f"hydra.run.dir={run}"]
-    cmd += ["ledger.enabled=false", *overrides]
+    cmd += ["ledger.enabled=false", *overrides, *variant]
     started, wall_clock = time.perf_counter(), time.time()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -89,7 +91,7 @@ def run_primerl(args, overrides: list[str], run: Path) -> dict:
     wall = time.perf_counter() - started
     trainer, orch = read_metrics(run, "trainer"), read_metrics(run, "orchestrator")
     sampled = sum(r[OrchestratorMetric.TOKENS_PER_S] * r[OrchestratorMetric.GENERATE_S] for r in orch)
-    cfg = check(["+experiment=reverse_text", *overrides])
+    cfg = check(["+experiment=reverse_text", *overrides, *variant])
     return {
         "wall_s": wall,
         "startup_s": orch[0]["time"] - orch[0][OrchestratorMetric.GENERATE_S] - wall_clock,  # to the first rollout
@@ -133,22 +135,23 @@ def print_runs(runs: list[tuple[int, str, dict]]) -> None:
     for r, name, found in runs:
         print(f"{r:>5} {name:<8} " + " ".join(f"{found[p]:>14.1f}" for p in PHASES) + f"  {found['threads']}")
     print(f"\n{'median [range]':<14} " + " ".join(f"{p:>20}" for p in PHASES))
-    for side in ("primerl", "TRL"):
+    for side in dict.fromkeys(name for _, name, _ in runs):
         cells = []
         for p in PHASES:
             values = [found[p] for _, name, found in runs if name == side]
             cells.append(f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
         print(f"{side:<14} " + " ".join(f"{c:>20}" for c in cells))
     rounds = sorted({r for r, _, _ in runs})
-    ratios = [
-        next(f["wall_s"] for q, n, f in runs if q == r and n == "primerl")
-        / next(f["wall_s"] for q, n, f in runs if q == r and n == "TRL")
-        for r in rounds
-    ]
-    print(
-        f"primerl / TRL wall time: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x "
-        f"over {len(ratios)} round(s)"
-    )
+    for side in [name for name in dict.fromkeys(name for _, name, _ in runs) if name != "TRL"]:
+        ratios = [
+            next(f["wall_s"] for q, n, f in runs if q == r and n == side)
+            / next(f["wall_s"] for q, n, f in runs if q == r and n == "TRL")
+            for r in rounds
+        ]
+        print(
+            f"{side} / TRL wall time: median {statistics.median(ratios):.2f}x, range "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} round(s)"
+        )
 
 
 def alternate(args, python: Path, start: Path, overrides: list[str], root: Path) -> list[tuple[int, str, dict]]:
@@ -161,6 +164,10 @@ def alternate(args, python: Path, start: Path, overrides: list[str], root: Path)
                 ("primerl", functools.partial(run_primerl, args, overrides, root / f"primerl-{r}")),
                 ("TRL", functools.partial(run_trl, python, start, root / f"trl-{r}", args)),
             ]
+            if args.vs:
+                sides.insert(
+                    1, ("primerl+", functools.partial(run_primerl, args, overrides, root / f"vs-{r}", args.vs))
+                )
             for name, run in sides if r % 2 == 0 else sides[::-1]:
                 print(f"round {r}: {name}, {args.steps} steps ...", flush=True)
                 load = os.getloadavg()[0]
@@ -180,6 +187,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides")
     parser.add_argument("--trl-threads", type=int, help="torch's threads in TRL (default: torch's own choice)")
     parser.add_argument("--busy", type=int, default=0, help="busy loops running beside both sides")
+    parser.add_argument("--vs", nargs="+", default=[], metavar="OVERRIDE", help="a third side: primerl with these")
     args = parser.parse_args()
     overrides = [f"orchestrator.max_tokens={args.max_tokens}"]
     if args.hidden:
@@ -197,6 +205,10 @@ def main() -> None:
             ("primerl", score(weights_path(Path(root) / f"primerl-{last}", args.steps), scored / "p", overrides)),
             ("TRL", score(Path(root) / f"trl-{last}", scored / "trl", overrides)),
         ]
+        if args.vs:
+            rewards.append(
+                ("primerl+", score(weights_path(Path(root) / f"vs-{last}", args.steps), scored / "v", overrides))
+            )
     model = f"random Qwen3 of hidden {args.hidden}" if args.hidden else "the SFT checkpoint"
     print(
         f"\n{args.steps} steps x 64 samples of up to {args.max_tokens} tokens from {model}, lr {args.lr}, on "
