@@ -3,6 +3,7 @@ another, weights loaded into every replica, and a replica taken back with the cu
 real vLLM path is in tests/test_faults.py)."""
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -293,6 +294,17 @@ def test_a_replica_slow_to_answer_health_stays_up_while_it_finishes_rollouts(tmp
     asyncio.run(main())
 
 
+@contextlib.asynccontextmanager
+async def watching(watcher: Watcher):
+    """`watcher` running for the block, cancelled and awaited after it."""
+    task = asyncio.create_task(watcher.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def all_down(servers: list[FakeServer], watcher: Watcher) -> None:
     """Every replica dies; a health check takes them out and admission stops."""
     for server in servers:
@@ -373,22 +385,20 @@ def test_a_requeued_replica_is_followed_to_its_new_address(tmp_path):
     watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0, addresses=lambda: list(advertised))
 
     async def main():
-        task = asyncio.create_task(watcher.run())
-        publish(tmp_path, 1)
-        await until(lambda: policy.version == 1)
-        servers[0].address, servers[0].served = "http://node2:8123", 0  # requeued: it starts elsewhere, on v0
-        watcher.check_health()
-        await until(lambda: replicas.up == [False, True])
-        await asyncio.sleep(0.3)
-        assert replicas.up == [False, True] and built == []  # nothing advertised yet: it waits at the old address
-        advertised[0] = "http://node2:8123"  # the requeued job writes its address once it knows its port
-        await until(lambda: replicas.up == [True, True])
-        assert servers[0].base_url == "http://node2:8123" and servers[0].served == 1  # followed, current policy
-        assert built == ["http://node2:8123"]
-        results = await asyncio.gather(*(runner.run(i) for i in range(4)))
-        assert all(isinstance(r[0], Rollout) for r in results) and len(runner.runners[0].tasks) == 2
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with watching(watcher):
+            publish(tmp_path, 1)
+            await until(lambda: policy.version == 1)
+            servers[0].address, servers[0].served = "http://node2:8123", 0  # requeued: it starts elsewhere, on v0
+            watcher.check_health()
+            await until(lambda: replicas.up == [False, True])
+            await asyncio.sleep(0.3)
+            assert replicas.up == [False, True] and built == []  # nothing advertised yet: it waits at the old address
+            advertised[0] = "http://node2:8123"  # the requeued job writes its address once it knows its port
+            await until(lambda: replicas.up == [True, True])
+            assert servers[0].base_url == "http://node2:8123" and servers[0].served == 1  # followed, current policy
+            assert built == ["http://node2:8123"]
+            results = await asyncio.gather(*(runner.run(i) for i in range(4)))
+            assert all(isinstance(r[0], Rollout) for r in results) and len(runner.runners[0].tasks) == 2
 
     asyncio.run(main())
 
@@ -614,19 +624,19 @@ def test_a_replica_that_keeps_its_old_weights_is_caught_loaded_again_and_taken_o
     watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
 
     async def main():
-        task = asyncio.create_task(watcher.run())
-        servers[1].keeps_old_weights = True  # answers every load, serves v0 still
-        publish(tmp_path, 1)
-        await until(lambda: replicas.up == [True, False])
-        assert policy.version == 1 and servers[0].loads == [1]
-        assert servers[1].loads[:2] == [1, 1] and watcher.mismatches >= 2  # loaded again once, then taken out
-        await asyncio.sleep(0.2)
-        assert replicas.up == [True, False] and servers[1].paused  # its recovery keeps failing the proof: out, paused
-        servers[1].keeps_old_weights = False
-        await until(lambda: replicas.up == [True, True])
-        assert servers[1].served == 1 and not servers[1].paused
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with watching(watcher):
+            servers[1].keeps_old_weights = True  # answers every load, serves v0 still
+            publish(tmp_path, 1)
+            await until(lambda: replicas.up == [True, False])
+            assert policy.version == 1 and servers[0].loads == [1]
+            assert servers[1].loads[:2] == [1, 1] and watcher.mismatches >= 2  # loaded again once, then taken out
+            await asyncio.sleep(0.2)
+            assert (
+                replicas.up == [True, False] and servers[1].paused
+            )  # its recovery keeps failing the proof: out, paused
+            servers[1].keeps_old_weights = False
+            await until(lambda: replicas.up == [True, True])
+            assert servers[1].served == 1 and not servers[1].paused
 
     asyncio.run(main())
 
@@ -662,19 +672,17 @@ def test_an_offer_whose_trainer_is_gone_waits_unanswered_for_the_one_its_success
     watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
 
     async def main():
-        task = asyncio.create_task(watcher.run())
-        offer(tmp_path, 1)
-        await until(lambda: policy.version == 1)
-        offer(tmp_path, 3, sender="gone")
-        await asyncio.sleep(0.3)
-        assert answer(tmp_path, 3) is None and policy.version == 1 and servers[0].loads == [1]
-        assert caplog.text.count("v3 was offered by a trainer that is gone") == 1  # said once, not at every poll
-        shutil.rmtree(weights_path(tmp_path, 3))  # the new trainer withdraws it and offers its checkpoint's version
-        offer(tmp_path, 2)
-        await until(lambda: policy.version == 2)
-        assert answer(tmp_path, 2) == {"r0-p0": 2, "r1-p0": 2} and replicas.up == [True, True]
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with watching(watcher):
+            offer(tmp_path, 1)
+            await until(lambda: policy.version == 1)
+            offer(tmp_path, 3, sender="gone")
+            await asyncio.sleep(0.3)
+            assert answer(tmp_path, 3) is None and policy.version == 1 and servers[0].loads == [1]
+            assert caplog.text.count("v3 was offered by a trainer that is gone") == 1  # said once, not at every poll
+            shutil.rmtree(weights_path(tmp_path, 3))  # the new trainer withdraws it and offers its checkpoint's version
+            offer(tmp_path, 2)
+            await until(lambda: policy.version == 2)
+            assert answer(tmp_path, 2) == {"r0-p0": 2, "r1-p0": 2} and replicas.up == [True, True]
 
     asyncio.run(main())
 
@@ -746,15 +754,14 @@ def test_a_replica_slow_to_load_is_taken_out_and_the_others_serve_the_version_wi
     watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
 
     async def main():
-        task = asyncio.create_task(watcher.run())
-        started = time.monotonic()
-        publish(tmp_path, 1)
-        await until(lambda: policy.version == 1)
-        assert time.monotonic() - started < 1.0 and replicas.up == [True, True, True, False]
-        assert [server.served for server in servers[:3]] == [1, 1, 1] and servers[3].paused
-        await until(lambda: replicas.up == [True] * 4)
-        assert servers[3].served == 1 and not servers[3].paused and servers[3].loads == [1]
-        task.cancel()
+        async with watching(watcher):
+            started = time.monotonic()
+            publish(tmp_path, 1)
+            await until(lambda: policy.version == 1)
+            assert time.monotonic() - started < 1.0 and replicas.up == [True, True, True, False]
+            assert [server.served for server in servers[:3]] == [1, 1, 1] and servers[3].paused
+            await until(lambda: replicas.up == [True] * 4)
+            assert servers[3].served == 1 and not servers[3].paused and servers[3].loads == [1]
 
     asyncio.run(main())
 
@@ -772,17 +779,15 @@ def test_a_replica_that_goes_silent_during_a_load_is_out_within_its_liveness_lim
     watcher.health = Health(replicas, every_s=0.1)
 
     async def main():
-        task = asyncio.create_task(watcher.run())
-        publish(tmp_path, 1)
-        await until(lambda: servers[0].paused)  # its load began
-        lost = time.monotonic()
-        servers[0].hung = True
-        await until(lambda: policy.version == 1, timeout_s=5.0)
-        assert time.monotonic() - lost < 3.0, "the version waited for the silent replica's load"
-        assert replicas.up == [False, True] and servers[1].served == 1
-        assert not task.done()  # the watcher goes on (the silent one's recovery waits for it)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with watching(watcher) as task:
+            publish(tmp_path, 1)
+            await until(lambda: servers[0].paused)  # its load began
+            lost = time.monotonic()
+            servers[0].hung = True
+            await until(lambda: policy.version == 1, timeout_s=5.0)
+            assert time.monotonic() - lost < 3.0, "the version waited for the silent replica's load"
+            assert replicas.up == [False, True] and servers[1].served == 1
+            assert not task.done()  # the watcher goes on (the silent one's recovery waits for it)
 
     asyncio.run(main())
 
@@ -796,11 +801,9 @@ def test_a_watcher_stopped_after_answering_an_offer_still_takes_it(tmp_path):
     watcher = Watcher(tmp_path, replicas, Policy(), 0.01, 5.0)
 
     async def main():
-        task = asyncio.create_task(watcher.run())
-        offer(tmp_path, 1)
-        await until(lambda: answer(tmp_path, 1) is not None)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with watching(watcher):
+            offer(tmp_path, 1)
+            await until(lambda: answer(tmp_path, 1) is not None)
         assert [server.served for server in servers] == [1, 1]
 
     asyncio.run(main())
