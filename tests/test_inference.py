@@ -652,7 +652,6 @@ def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_
     started: the inference process's supervisor starts it again (counted against its restart budget), instead of
     the whole run stopping, and so is one that came up and died before its readiness was seen. A server that exits by
     itself before it came up is the engine's refusal: reported at once."""
-    from primerl.entrypoints.inference import keep_serving
     from primerl.inference.guard import API_KEY_ENV
     from primerl.inference.server import start_side_by_side
     from primerl.transport.identity import SERVER_ID_ENV
@@ -667,6 +666,64 @@ def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_
     marker.unlink()
     start_side_by_side([server], 30, supervised=True)
     assert server.killed_by_signal() and server.exit_reason() == "killed by SIGKILL (exit code -9)"
+    with _supervising(server) as outcome:
+        wait_until(lambda: not server.killed_by_signal() and server._health(new_challenge()), "the restart", 30)
+        answer = httpx.post(f"{server.base_url}/v1/completions", json={}, headers=_auth(), timeout=10)
+        assert answer.status_code == 200  # the restarted server serves
+    assert not outcome
+    refusing = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "r.log", ["--fails-at-start"])
+    with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
+        start_side_by_side([refusing], 30, supervised=True)
+    # one that came up and died before its readiness was seen is a fault too, not a refusal (the log holds an
+    # earlier start's "startup complete": only this start's lines count)
+    (tmp_path / "d.log").write_text("INFO:     Application startup complete.\n")
+    dying = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "d.log", ["--exits-after-start"])
+    start_side_by_side([dying], 30, supervised=True)
+    assert dying.process.returncode == 0 and dying.came_up() and not refusing.came_up()
+    dying.options = ["--fails-at-start"]
+    with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
+        start_side_by_side([dying], 30, supervised=True)
+
+
+def test_a_server_whose_port_closes_while_its_process_lives_is_stopped_and_started_again(tmp_path, monkeypatch, caplog):
+    """vLLM whose engine core dies under a request the engine never answers (a `/collective_rpc` weight load with
+    `cpu_executor=uni`; reproduced on the real server) closes its port and waits for that request forever, its
+    process alive. Its supervisor stops it once the port has refused connections for REFUSING_LIMIT_S and starts it
+    again, as a server that exited after serving (its restart budget untouched): the hung request ends, the old
+    process is gone, the new one serves."""
+    from primerl.inference.guard import API_KEY_ENV
+    from primerl.transport.identity import SERVER_ID_ENV
+    from tests.workers.dies_at_first_request import ENGINE_DEAD
+
+    monkeypatch.setattr("primerl.entrypoints.inference.HEALTH_EVERY_S", 0.2)
+    monkeypatch.setattr("primerl.entrypoints.inference.REFUSING_LIMIT_S", 1.0)
+    env = {API_KEY_ENV: API_KEY, SERVER_ID_ENV: "run-id", "PYTHONPATH": str(Path(__file__).parents[1])}
+    options = ["--serve-first", "--hangs-at-request", str(tmp_path / "hung-once")]
+    server = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "server.log", options)
+    server.start(30)
+    hung_pid, seen_serving, has_served = server.process.pid, threading.Event(), server.has_served
+    server.has_served = lambda: has_served() and (seen_serving.set() or True)
+    completion = f"{server.base_url}/v1/completions"
+    with _supervising(server) as outcome:
+        assert httpx.post(completion, json={}, headers=_auth(), timeout=10).status_code == 200
+        wait_until(seen_serving.is_set, "the supervisor seeing the served request", 30)
+        with pytest.raises(httpx.HTTPError):  # held until its server is stopped
+            httpx.post(completion, json={}, headers=_auth(), timeout=30)
+        wait_until(lambda: server.process.pid != hung_pid, "the restart", 30)
+        assert ENGINE_DEAD in server.log_path.read_text()
+        with pytest.raises(ProcessLookupError):
+            os.kill(hung_pid, 0)
+        wait_until(lambda: server._health(new_challenge()), "the restarted server", 30)
+        assert httpx.post(completion, json={}, headers=_auth(), timeout=10).status_code == 200
+    assert not outcome and "ended after serving (its process lived but refused connections" in caplog.text
+
+
+@contextlib.contextmanager
+def _supervising(server):
+    """`keep_serving([server])` in a thread for the block, stopped (and the server with it) at the block's end;
+    yields the list of what it raised."""
+    from primerl.entrypoints.inference import keep_serving
+
     stop, outcome = threading.Event(), []
 
     def each_poll():
@@ -684,26 +741,12 @@ def test_a_server_killed_while_it_starts_is_started_again_by_its_supervisor(tmp_
     thread = threading.Thread(target=supervise, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: not server.killed_by_signal() and server._health(new_challenge()), "the restart", 30)
-        answer = httpx.post(f"{server.base_url}/v1/completions", json={}, headers=_auth(), timeout=10)
-        assert answer.status_code == 200  # the restarted server serves
+        yield outcome
     finally:
         stop.set()
         thread.join(timeout=30)
         server.stop()
-    assert not thread.is_alive() and not outcome
-    refusing = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "r.log", ["--fails-at-start"])
-    with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
-        start_side_by_side([refusing], 30, supervised=True)
-    # one that came up and died before its readiness was seen is a fault too, not a refusal (the log holds an
-    # earlier start's "startup complete": only this start's lines count)
-    (tmp_path / "d.log").write_text("INFO:     Application startup complete.\n")
-    dying = _StandIn(ServerSpec(args=[], env=dict(env), port=free_port()), tmp_path / "d.log", ["--exits-after-start"])
-    start_side_by_side([dying], 30, supervised=True)
-    assert dying.process.returncode == 0 and dying.came_up() and not refusing.came_up()
-    dying.options = ["--fails-at-start"]
-    with pytest.raises(InferenceStartError, match="exited with code 1 before it was ready"):
-        start_side_by_side([dying], 30, supervised=True)
+    assert not thread.is_alive()
 
 
 def test_the_engine_error_quoted_is_an_error_line_not_a_warning_that_quotes_one():

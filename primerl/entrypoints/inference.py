@@ -7,7 +7,8 @@ in front of each (primerl.inference.pd_router), or on SLURM one side of the pair
 job's servers, or the decode job's servers and the routers). With `teacher.path` the teacher's servers start beside
 them, or under SLURM alone in the teacher's job (`teacher_specs`).
 
-A server that exits while serving (a crash, an OOM kill) is started again (the pool policy of primerl.utils.pool);
+A server that exits while serving (a crash, an OOM kill), or whose process lives on with its port closed (an engine
+that died under a request it never answers), is started again (the pool policy of primerl.utils.pool);
 the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
 (primerl.orchestrator.watcher). A start counts as bringing it back only once it has finished a request (vLLM's
 request_success_total), not at readiness: MAX_RESTARTS starts in a row that fail, or that die before serving anything
@@ -19,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -45,32 +47,68 @@ MAX_RESTARTS = 3
 FIRST_SERVED_POLL_S = 0.2
 
 
+REFUSING_LIMIT_S = 6.0  # a live server refusing connections this long is stuck in its shutdown
+STUCK_GRACE_S = 1.0  # ...and ignores SIGTERM as well (it waits for the same request): killed after this
+
+
+@dataclass
+class Supervised:
+    """One server under `keep_serving`: its restart budget, and what its polls since its last start have seen."""
+
+    server: VllmServer
+    budget: RestartBudget
+    served: bool = False  # it has finished a request since its last start
+    refusing_since: float | None = None  # when its port began refusing connections while its process lived
+
+    def ended(self) -> str | None:
+        """None while the server serves; else why it ended. A process that lives but has refused connections for
+        REFUSING_LIMIT_S is stopped here and counts as ended: vLLM whose engine core died during a request the
+        engine never answers (a `/collective_rpc` weight load with `cpu_executor=uni`) closes its port and waits for
+        that request forever, in uvicorn's graceful shutdown. A slow server is not refused: its kernel still
+        accepts connections."""
+        server = self.server
+        if server.process.poll() is not None:
+            return server.exit_reason()
+        if not server.refuses_connections():
+            self.refusing_since = None
+            self.served = self.served or server.has_served()
+            return None
+        now = time.monotonic()
+        self.refusing_since = self.refusing_since or now
+        if now - self.refusing_since < REFUSING_LIMIT_S:
+            return None
+        server.stop(STUCK_GRACE_S)
+        cause = server.error_of_this_start() or f"no error in {server.log_path}"
+        return f"its process lived but refused connections for {REFUSING_LIMIT_S:.0f} s: {cause}; stopped it"
+
+    def started_again(self) -> None:
+        self.served, self.refusing_since = False, None
+
+
 def keep_serving(servers: list[VllmServer], startup_timeout_s: float, each_poll: Callable[[], None]) -> None:
-    """Restart each server that exits, until this process is stopped; raises RunError when one cannot come back.
-    `each_poll` runs once per poll."""
-    budgets = [RestartBudget(f"the vLLM server at {server.base_url}", MAX_RESTARTS) for server in servers]
-    served = [False] * len(servers)  # whether each has finished a request since its last start
+    """Restart each server that exits or stops accepting connections (`Supervised.ended`), until this process is
+    stopped; raises RunError when one cannot come back. `each_poll` runs once per poll."""
+    watched = [Supervised(s, RestartBudget(f"the vLLM server at {s.base_url}", MAX_RESTARTS)) for s in servers]
     while True:
         each_poll()
-        for index, (server, budget) in enumerate(zip(servers, budgets, strict=True)):
-            if server.process.poll() is None:
-                served[index] = served[index] or server.has_served()
+        for one in watched:
+            reason = one.ended()
+            if reason is None:
                 continue
-            reason = server.exit_reason()
-            if served[index]:
-                budget.served()  # a crash after serving: a fault to ride out
+            if one.served:
+                one.budget.served()  # a crash after serving: a fault to ride out
             else:
-                budget.failed(f"it died before serving a request: {reason}")
-            when = "after serving" if served[index] else "before serving a request"
+                one.budget.failed(f"it died before serving a request: {reason}")
+            when = "after serving" if one.served else "before serving a request"
             log.warning(
-                f"the vLLM server at {server.base_url} exited {when} ({reason}); "
-                f"restarting it ({budget.failed_in_a_row + 1}/{MAX_RESTARTS})"
+                f"the vLLM server at {one.server.base_url} ended {when} ({reason}); "
+                f"restarting it ({one.budget.failed_in_a_row + 1}/{MAX_RESTARTS})"
             )
-            restart(server, budget, startup_timeout_s)
-            served[index] = False
+            restart(one.server, one.budget, startup_timeout_s)
+            one.started_again()
         # until each has served, poll often: a server killed between its first finished request and the next poll
         # would be counted as one that never served (a kill right after a first batch, under load, did that)
-        time.sleep(HEALTH_EVERY_S if all(served) else FIRST_SERVED_POLL_S)
+        time.sleep(HEALTH_EVERY_S if all(one.served for one in watched) else FIRST_SERVED_POLL_S)
 
 
 def restart(server: VllmServer, budget: RestartBudget, startup_timeout_s: float) -> None:

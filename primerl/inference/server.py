@@ -11,6 +11,7 @@ import getpass
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -108,11 +109,29 @@ class VllmServer:
         """Whether this start got as far as serving HTTP (uvicorn's "Application startup complete" in its log): a
         server that exits after that died, it did not refuse its config (a refusal ends before the HTTP server
         starts)."""
+        return STARTUP_COMPLETE in self.this_start_log()
+
+    def error_of_this_start(self) -> str | None:
+        """The engine's last error line (`engine_error`) among this start's lines of the log; None when there is none."""
+        return engine_error(self.this_start_log().decode(errors="replace"))
+
+    def this_start_log(self) -> bytes:
         if not self.log_path.exists():
-            return False
+            return b""
         with open(self.log_path, "rb") as log:
             log.seek(self.log_start)
-            return STARTUP_COMPLETE in log.read()
+            return log.read()
+
+    def refuses_connections(self) -> bool:
+        """Whether the server's port refuses a connection now: nothing listens there. A server too busy to answer is
+        not refusing (its kernel accepts the connection), nor is one the connect times out on."""
+        try:
+            socket.create_connection((self.spec.host, self.spec.port), timeout=2.0).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def killed_by_signal(self) -> bool:
         """Whether the server's process ended by a signal (a negative exit code), not by its own exit."""

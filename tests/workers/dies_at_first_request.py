@@ -6,10 +6,12 @@ MARKER` it kills itself with SIGKILL before it answers anything, the first time 
 creates it), as the OOM killer or an operator may kill a starting server; with `--fails-at-start` it exits 1 before
 it answers anything, as an engine that refuses its config does; with `--exits-after-start` it logs uvicorn's
 "Application startup complete" and exits 0 before it answers anything, as a server whose engine died right after it
-came up does (a worker killed in its first weight load).
+came up does (a worker killed in its first weight load); with `--hangs-at-request MARKER`, the first time, that
+request neither dies nor answers: it logs the engine's death, closes the listening port and waits, as vLLM does when
+its engine core dies under a `/collective_rpc` load (uvicorn's graceful shutdown waits for that request forever).
 
     python -m tests.workers.dies_at_first_request --port P [--serve-first] [--killed-at-start MARKER]
-        [--fails-at-start] [--exits-after-start]   (key and id from the environment)
+        [--fails-at-start] [--exits-after-start] [--hangs-at-request MARKER]   (key and id from the environment)
 """
 
 import argparse
@@ -30,6 +32,7 @@ from primerl.transport.identity import (
     proof,
 )
 
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 ENGINE_ERROR = "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2"
 
 
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--killed-at-start", type=Path)
     parser.add_argument("--fails-at-start", action="store_true")
     parser.add_argument("--exits-after-start", action="store_true")
+    parser.add_argument("--hangs-at-request", type=Path)
     args, _ = parser.parse_known_args()
     time.sleep(0.5)  # starting
     if args.fails_at_start:
@@ -77,6 +81,12 @@ def main() -> None:
                 served[0] += 1
                 self.answer(b"{}")
                 return
+            if args.hangs_at_request and not args.hangs_at_request.exists():
+                args.hangs_at_request.touch()
+                print(f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD}", flush=True)
+                print("INFO:     Waiting for connections to close. (CTRL+C to force quit)", flush=True)
+                self.server.socket.close()  # new connections are refused; this one waits
+                time.sleep(3600)
             print("(EngineCore pid=1) ERROR EngineCore encountered a fatal error.", flush=True)
             print("Traceback (most recent call last):", flush=True)
             print(ENGINE_ERROR, flush=True)
