@@ -24,6 +24,19 @@ def test_the_rule_backs_off_on_preemption_or_a_full_queue_and_grows_only_when_us
     assert limits.total([True, False]) == limits.limits[0]  # a replica that is down adds nothing
 
 
+def test_one_decrease_a_wave_the_rollouts_admitted_before_it_preempt_without_cutting_again():
+    """Rollouts admitted under the old limit grow their contexts and preempt after the decrease: until the replica's
+    outstanding rollouts have fallen to the new limit, its readings change nothing; after that a preemption counts."""
+    limits = Limits(replicas=1, cap=64, floor=4)
+    limits.adjust(0, EngineLoad(8, 0, 0.9, 0), outstanding=64)
+    assert limits.adjust(0, EngineLoad(8, 3, 0.99, 2), outstanding=64) and limits.limits[0] == 48
+    for outstanding, preemptions in ((60, 5), (55, 9), (49, 12)):  # the wave drains, preempting all the while
+        assert not limits.adjust(0, EngineLoad(8, 3, 0.99, preemptions), outstanding=outstanding)
+    assert limits.limits[0] == 48
+    assert not limits.adjust(0, EngineLoad(8, 0, 0.9, 12), outstanding=48)  # drained, no new preemption: stays
+    assert limits.adjust(0, EngineLoad(8, 0, 0.9, 13), outstanding=48) and limits.limits[0] == 36  # a new one counts
+
+
 def test_a_replica_settles_under_the_load_at_which_its_engine_preempts():
     """A simulated engine whose KV cache holds `capacity` rollouts' worth: usage = outstanding / capacity, and each
     reading with more outstanding than fit adds preemptions. Demand is unlimited (every admitted rollout is used).

@@ -9,15 +9,19 @@ grow during training. Here each replica i has a limit L_i on its outstanding rol
   (`vllm:num_preemptions_total` grew), or requests wait while its KV cache is at least 95% used;
 - room, L_i = min(cap, L_i + step): no preemption, nothing waiting, KV cache under 85% used, and the replica uses
   its limit (outstanding >= L_i - step): there is memory for more, and more is wanted;
-- otherwise L_i stays.
+- otherwise L_i stays;
+- one decrease a wave: after a decrease, the replica's readings change nothing until its outstanding rollouts have
+  fallen to the new limit. The rollouts admitted under the old limit keep growing their contexts and preempt after
+  the decrease; counting their preemptions against the new limit cut it again and again (to 9-24 rollouts, against
+  the 48 that ran best: benchmarks/results.md), as TCP's congestion control halves its window once per round trip,
+  not once per lost packet.
 
 The dispatcher admits a group while the rollouts in flight plus the group stay within the sum of the up replicas'
 limits, and within `orchestrator.max_inflight`, which stays the upper bound. `floor` and `step` are one group
 (a group is admitted whole); limits start at the cap's even share. A replica whose metrics cannot be read keeps its
 limit. Against a simulated engine (tests/test_admission.py) additive increase and multiplicative decrease settle a
-replica just under the load at which it preempts. On vLLM with multi-turn rollouts and a small KV cache they did not:
-0.80x the best fixed cap's samples/s, nearly the default's preemptions (benchmarks/results.md), since a limit on
-rollouts does not bound the tokens their contexts grow to after admission; hence `fixed` stays the default.
+replica just under the load at which it preempts. Measured on vLLM with multi-turn rollouts and a small KV cache:
+benchmarks/results.md ("Admission by KV-cache pressure").
 """
 
 import asyncio
@@ -40,6 +44,7 @@ class Limits:
         self.cap, self.floor, self.step = cap, min(floor, cap), min(floor, cap)
         self.limits = [max(self.floor, cap // replicas)] * replicas
         self.preemptions: list[float | None] = [None] * replicas
+        self.draining = [False] * replicas  # decreased, and more rollouts are outstanding than the new limit
         self.changes = 0  # counts limit changes: KvAdmission caches the total on it
 
     def adjust(self, index: int, load: EngineLoad, outstanding: int) -> bool:
@@ -47,8 +52,12 @@ class Limits:
         seen, self.preemptions[index] = self.preemptions[index], load.preemptions
         preempted = seen is not None and load.preemptions > seen  # a restarted server starts again from 0
         limit = self.limits[index]
+        self.draining[index] = self.draining[index] and outstanding > limit
+        if self.draining[index]:
+            return False
         if preempted or (load.waiting > 0 and load.kv_usage >= KV_FULL):
             new = max(self.floor, int(limit * DECREASE))
+            self.draining[index] = outstanding > new
         elif load.waiting == 0 and load.kv_usage < KV_ROOM and outstanding >= limit - self.step:
             new = min(self.cap, limit + self.step)
         else:
