@@ -2,7 +2,7 @@
 metrics, against a simulated engine whose KV cache holds a fixed number of rollouts."""
 
 from primerl.orchestrator.admission import Limits
-from primerl.orchestrator.inference_client import EngineLoad
+from primerl.orchestrator.engine_load import EngineLoad
 
 
 def test_the_rule_backs_off_on_preemption_or_a_full_queue_and_grows_only_when_used():

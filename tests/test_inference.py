@@ -750,7 +750,7 @@ def _supervising(server):
 
 
 def test_the_engine_error_quoted_is_an_error_line_not_a_warning_that_quotes_one():
-    from primerl.inference.server import engine_error
+    from primerl.inference.engine_log import engine_error
 
     log = [
         "(EngineCore pid=7) ERROR 12-06 15:41:20 [core.py:1] EngineCore failed",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from primerl.inference.engine_log import STARTUP_COMPLETE, engine_error
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.vllm_args import ServerSpec
 from primerl.transport.identity import CHALLENGE_HEADER, SERVER_ID_ENV, new_challenge, proves, served_by
@@ -33,21 +34,6 @@ class InferenceStartError(RuntimeError):
 
 
 _SUCCESSES = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
-# an exception's last line, as Python prints it ("RuntimeError: ..."), wherever a log prefix puts it
-_ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
-# a vLLM log record below ERROR ("(APIServer pid=1) WARNING 12-06 15:41:13 [x.py:1] ..."): it may quote an error
-# ("fd limit errors like `OSError: [Errno 24] Too many open files`") without being one
-_NOT_AN_ERROR = re.compile(r"\b(?:WARNING|INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d\b")
-
-
-def engine_error(log_text: str) -> str | None:
-    """The last exception line of a vLLM log ("RuntimeError: Unsupported CPU attention configuration: ..."), not the
-    reports that follow a dying process (nanobind's leak lists, warnings); None when there is none."""
-    for line in reversed(log_text.splitlines()):
-        found = _ERROR_LINE.search(line)
-        if found and not line.lstrip().startswith(("nanobind", "-")) and not _NOT_AN_ERROR.search(line):
-            return f"{found.group(1)}: {found.group(2).strip()}"[:400]
-    return None
 
 
 def port_in_use(host: str, port: int) -> str:
@@ -55,9 +41,6 @@ def port_in_use(host: str, port: int) -> str:
     return (
         f"{host}:{port} is already in use (another run's server?); choose a free port, or inference.port=0 to pick one"
     )
-
-
-STARTUP_COMPLETE = b"Application startup complete"  # uvicorn's line once vLLM's HTTP server serves
 
 
 class VllmServer:

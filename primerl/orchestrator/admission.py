@@ -28,7 +28,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from primerl.orchestrator.inference_client import EngineLoad
+from primerl.orchestrator.engine_load import EngineLoad
 
 if TYPE_CHECKING:
     from primerl.orchestrator.replicas import Replicas

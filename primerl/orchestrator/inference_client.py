@@ -27,7 +27,6 @@ middleware (primerl.inference.cache_salt) salts every request with the number of
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import aiohttp
 import httpx
 
 from primerl.envs.http_transport import httpx_errors
+from primerl.orchestrator.engine_load import EngineLoad, parse_engine_load
 from primerl.transport.identity import served_by
 from primerl.transport.verified import VerifiedConnector
 from primerl.transport.weights import SERVED_MODEL_NAME, UNPROVEN, is_adapter, load_deadline_s
@@ -48,21 +48,6 @@ log = get_logger(__name__)
 # Idle admin connections are reused for this long: under vLLM's (uvicorn's) 5 s keep-alive, so none is reused as the
 # server closes it, and over the health round (primerl.orchestrator.health: ~2 s), so a probe reuses the last one.
 ADMIN_KEEPALIVE_S = 4.0
-
-_GAUGES = {  # vLLM's /metrics lines: `vllm:<name>{labels} <value>`, one per engine
-    name: re.compile(rf"^vllm:{name}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.M)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total")
-}
-
-
-@dataclass
-class EngineLoad:
-    """What a vLLM server's /metrics says of its load (summed over its engines)."""
-
-    running: float
-    waiting: float
-    kv_usage: float  # 0..1
-    preemptions: float  # cumulative since the server started
 
 
 @dataclass
@@ -259,13 +244,4 @@ class InferenceClient:
             return None
         if status != 200:
             return None
-        text = body.decode(errors="replace")
-        values = {name: [float(v) for v in pattern.findall(text)] for name, pattern in _GAUGES.items()}
-        if not values["num_requests_running"]:
-            return None
-        return EngineLoad(
-            running=sum(values["num_requests_running"]),
-            waiting=sum(values["num_requests_waiting"]),
-            kv_usage=max(values["kv_cache_usage_perc"], default=0.0),
-            preemptions=sum(values["num_preemptions_total"]),
-        )
+        return parse_engine_load(body.decode(errors="replace"))
