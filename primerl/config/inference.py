@@ -132,6 +132,8 @@ OWNED_VLLM_FLAGS = {
     "--gpu-memory-utilization": "inference.gpu_memory_utilization",
     "--kv-transfer-config": "inference.pd",
     "--enable-lora": "model.lora",
+    "--disable-uvicorn-access-log": "the restart budget (the access log shows a server answered)",
+    "--uvicorn-log-level": "the restart budget (the access log shows a server answered)",
     "--max-lora-rank": "model.lora.rank",
     "--max-loras": "model.lora",
     "--lora-modules": "model.lora",

@@ -10,8 +10,8 @@ them, or under SLURM alone in the teacher's job (`teacher_specs`).
 A server that exits while serving (a crash, an OOM kill), or whose process lives on with its port closed (an engine
 that died under a request it never answers), is started again (the pool policy of primerl.utils.pool);
 the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
-(primerl.orchestrator.watcher). A start counts as bringing it back only once it has finished a request (vLLM's
-request_success_total), not at readiness: MAX_RESTARTS starts in a row that fail, or that die before serving anything
+(primerl.orchestrator.watcher). A start counts as bringing it back only once it has answered a generation request (its
+access line in the log, `VllmServer.has_served`), not at readiness: MAX_RESTARTS starts in a row that fail, or that die before serving anything
 (a model the engine loads but cannot run), end this process with code 1 and one line quoting the engine's own error.
 """
 
@@ -44,7 +44,6 @@ from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
 
 log = get_logger("inference")
 MAX_RESTARTS = 3
-FIRST_SERVED_POLL_S = 0.2
 
 
 REFUSING_LIMIT_S = 6.0  # a live server refusing connections this long is stuck in its shutdown
@@ -67,11 +66,12 @@ class Supervised:
         that request forever, in uvicorn's graceful shutdown. A slow server is not refused: its kernel still
         accepts connections."""
         server = self.server
-        if server.process.poll() is not None:
+        exited = server.process.poll() is not None
+        self.served = self.served or server.has_served()  # from its log: still there after a kill
+        if exited:
             return server.exit_reason()
         if not server.refuses_connections():
             self.refusing_since = None
-            self.served = self.served or server.has_served()
             return None
         now = time.monotonic()
         self.refusing_since = self.refusing_since or now
@@ -106,9 +106,7 @@ def keep_serving(servers: list[VllmServer], startup_timeout_s: float, each_poll:
             )
             restart(one.server, one.budget, startup_timeout_s)
             one.started_again()
-        # until each has served, poll often: a server killed between its first finished request and the next poll
-        # would be counted as one that never served (a kill right after a first batch, under load, did that)
-        time.sleep(HEALTH_EVERY_S if all(one.served for one in watched) else FIRST_SERVED_POLL_S)
+        time.sleep(HEALTH_EVERY_S)
 
 
 def restart(server: VllmServer, budget: RestartBudget, startup_timeout_s: float) -> None:

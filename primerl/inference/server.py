@@ -9,7 +9,6 @@ listened on at the start; if the process dies first,
 
 import getpass
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -19,11 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from primerl.inference.engine_log import STARTUP_COMPLETE, engine_error
+from primerl.inference.engine_log import SERVED_REQUEST, STARTUP_COMPLETE, engine_error
 from primerl.inference.guard import API_KEY_ENV
 from primerl.inference.vllm_args import ServerSpec
 from primerl.transport.identity import CHALLENGE_HEADER, SERVER_ID_ENV, new_challenge, proves, served_by
-from primerl.transport.verified import verified_sync_transport
 from primerl.utils.parent_death import dies_with_parent
 from primerl.utils.process import NESTED_GRACE_S, exit_reason, port_taken, stop_process_groups
 from primerl.utils.wait import WaitTimeout, wait_until
@@ -31,9 +29,6 @@ from primerl.utils.wait import WaitTimeout, wait_until
 
 class InferenceStartError(RuntimeError):
     pass
-
-
-_SUCCESSES = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
 def port_in_use(host: str, port: int) -> str:
@@ -68,15 +63,10 @@ class VllmServer:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.spec.args]
 
     def has_served(self) -> bool:
-        """Whether this server has finished a request since it started (vLLM's request_success_total)."""
-        key = self.spec.env.get(API_KEY_ENV)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        try:
-            with httpx.Client(transport=verified_sync_transport(key), timeout=5.0) as client:
-                answer = client.get(f"{self.base_url}/metrics", headers=headers)
-        except httpx.HTTPError:
-            return False
-        return answer.status_code == 200 and sum(float(v) for v in _SUCCESSES.findall(answer.text)) > 0
+        """Whether this start has answered a generation request (uvicorn's access line in its log, `SERVED_REQUEST`).
+        The log outlives the process, so a supervisor that asks after a kill still knows (a poll of the live server
+        would race the kill: under load it polls too late). primerl owns `--disable-uvicorn-access-log` and `--uvicorn-log-level` (OWNED_VLLM_FLAGS)."""
+        return SERVED_REQUEST.search(self.this_start_log()) is not None
 
     def exit_reason(self) -> str:
         """Why the server's process ended, for one line: the signal that killed it; else the engine's own error, else

