@@ -65,7 +65,8 @@ class VllmServer:
     def has_served(self) -> bool:
         """Whether this start has answered a generation request (uvicorn's access line in its log, `SERVED_REQUEST`).
         The log outlives the process, so a supervisor that asks after a kill still knows (a poll of the live server
-        would race the kill: under load it polls too late). primerl owns `--disable-uvicorn-access-log` and `--uvicorn-log-level` (OWNED_VLLM_FLAGS)."""
+        would race the kill: under load it polls too late). primerl owns `--disable-uvicorn-access-log` and
+        `--uvicorn-log-level` (OWNED_VLLM_FLAGS)."""
         return SERVED_REQUEST.search(self.this_start_log()) is not None
 
     def exit_reason(self) -> str:
@@ -85,7 +86,7 @@ class VllmServer:
         return STARTUP_COMPLETE in self.this_start_log()
 
     def error_of_this_start(self) -> str | None:
-        """The engine's last error line (`engine_error`) among this start's lines of the log; None when there is none."""
+        """The engine's last error line (`engine_error`) among this start's lines of the log; None when none."""
         return engine_error(self.this_start_log().decode(errors="replace"))
 
     def this_start_log(self) -> bytes:

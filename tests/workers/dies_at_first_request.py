@@ -1,14 +1,15 @@
 """A stand-in for a vLLM server whose engine cannot run its model: it passes readiness (the run's id and, with a key,
 the proof of it: primerl.transport.identity) and dies at its first generate request, logging the engine's error
 first, then a leak report, and exiting 0, as vLLM-CPU does with an unsupported head size. With `--serve-first` it
-answers that request (logging uvicorn's access line, which tells that it served) and dies at the second. With `--killed-at-start
-MARKER` it kills itself with SIGKILL before it answers anything, the first time (when MARKER does not exist yet: it
-creates it), as the OOM killer or an operator may kill a starting server; with `--fails-at-start` it exits 1 before
-it answers anything, as an engine that refuses its config does; with `--exits-after-start` it logs uvicorn's
-"Application startup complete" and exits 0 before it answers anything, as a server whose engine died right after it
-came up does (a worker killed in its first weight load); with `--hangs-at-request MARKER`, the first time, that
-request neither dies nor answers: it logs the engine's death, closes the listening port and waits, as vLLM does when
-its engine core dies under a `/collective_rpc` load (uvicorn's graceful shutdown waits for that request forever).
+answers that request (logging uvicorn's access line, which tells that it served) and dies at the second. With
+`--killed-at-start MARKER` it kills itself with SIGKILL before it answers anything, the first time (when MARKER does
+not exist yet: it creates it), as the OOM killer or an operator may kill a starting server; with `--fails-at-start`
+it exits 1 before it answers anything, as an engine that refuses its config does; with `--exits-after-start` it logs
+uvicorn's "Application startup complete" and exits 0 before it answers anything, as a server whose engine died right
+after it came up does (a worker killed in its first weight load); with `--hangs-at-request MARKER`, the first time,
+that request neither dies nor answers: it logs the engine's death, closes the listening port and waits, as vLLM does
+when its engine core dies under a `/collective_rpc` load (uvicorn's graceful shutdown waits for that request
+forever).
 
     python -m tests.workers.dies_at_first_request --port P [--serve-first] [--killed-at-start MARKER]
         [--fails-at-start] [--exits-after-start] [--hangs-at-request MARKER]   (key and id from the environment)
