@@ -52,7 +52,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.chaos_checks import check_faults, check_record, check_steps
+from benchmarks.chaos_checks import check_episodes, check_faults, check_record, check_steps
 from benchmarks.chaos_soak import KINDS, Soak
 
 
@@ -78,6 +78,7 @@ def main() -> None:
     try:
         wall_s = soak.go()["wall_s"]
         checks = check_steps(soak.run, args.steps, soak.faults) + check_record(soak.run, args.steps, soak.faults)
+        checks += check_episodes(soak.run, args.steps)
     finally:
         soak.stop()
         soak.disk.unmount_keeping_files()

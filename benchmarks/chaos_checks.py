@@ -1,13 +1,15 @@
 """The chaos soak's checks of a run after its faults (benchmarks/chaos.py): every step trained once, every batch
-consumed once, the record complete, nothing left behind."""
+consumed once, the record complete, nothing left behind; with an env that resumes by replay, episodes continued."""
 
 import collections
 import json
+import re
 from pathlib import Path
 
 from benchmarks.chaos_soak import RIDDEN, SAMPLE_EVERY, Soak
 from primerl.launch.leftovers import run_processes
 from primerl.metrics import EVAL, ORCHESTRATOR, TRAINER, read_metrics
+from primerl.orchestrator.episodes import EPISODES_DIR
 from primerl.transport.atomic import stale_temporaries
 from primerl.transport.batches import read_rollout_batch
 from primerl.transport.run_dir import rollout_path, samples_path, scratch_dirs
@@ -153,3 +155,33 @@ def check_faults(soak: Soak) -> list[tuple[str, bool, str]]:
         )
     )
     return checks
+
+
+KEPT_LINE = re.compile(r"task (\d+): (\d+) finished turn\(s\) kept in \d+ episode journal\(s\), sampled by (\S+):")
+
+
+def check_episodes(run: Path, steps: int) -> list[tuple[str, bool, str]]:
+    """With an env that resumes by replay (primerl.envs.episode_journal): the rollouts a kill cut short continued from
+    their last finished turn, and no journal outlived its task. Nothing to check for other envs."""
+    journals = run / EPISODES_DIR
+    if not journals.is_dir():
+        return []
+    olog = (run / "logs" / "orchestrator.log").read_text()
+    kept = KEPT_LINE.findall(olog)
+    served = olog.count("a turn served from its journal")
+    example = ", ".join(f"task {task}: {turns} turn(s) by {versions}" for task, turns, versions in kept[:3])
+    last = read_rollout_batch(rollout_path(run, steps - 1))
+    left = [
+        path.name
+        for path in journals.glob("task*-*.jsonl")
+        if (task := int(path.name[4:].split("-")[0])) not in last.tasks_pending and task < last.data_position
+    ]
+    return [
+        (
+            "rollouts cut by a kill continued at their next turn",
+            bool(kept) and served >= 1,
+            f"{len(kept)} task(s) with {sum(int(t) for _, t, _ in kept)} turn(s) kept ({example or 'none'}); "
+            f"{served} turn(s) served from journals, not sampled again",
+        ),
+        ("no journal outlived its task", not left, f"left: {left[:5] or 'none'}"),
+    ]

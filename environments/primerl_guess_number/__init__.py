@@ -81,7 +81,11 @@ class GuessEnvConfig(vf.EnvConfig):
 
 
 class GuessEnv(vf.Env[GuessEnvConfig]):
-    """The env is the control flow: it reads each guess and answers until solved or out of turns."""
+    """The env is the control flow: it reads each guess and answers until solved or out of turns. Its episode is a
+    function of the task and the guesses, so replaying the guesses rebuilds it: a rollout cut short continues from its
+    last finished turn (primerl.envs.episode_journal)."""
+
+    RESUMES_BY_REPLAY = True
 
     async def run(self, task, agents):
         data: GuessData = task.data

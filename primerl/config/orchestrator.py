@@ -56,6 +56,9 @@ class OrchestratorConfig:
     # in the group (primerl.orchestrator.dispatcher.request_seed), so that a rerun samples from the same seeds. Off by
     # default: on vLLM-CPU it turns chunked prefill off, ~10% of tokens/s here (benchmarks/results.md)
     seed_requests: bool = False
+    # a rollout of an env that resumes by replay (primerl.envs.episode_journal) keeps its finished turns on disk until
+    # its task is trained or spent: after a crash, or on another replica, it continues from its last finished turn
+    resume_episodes: bool = True
     rollout_timeout_s: float = bounded(120.0, gt=0)
     weight_poll_s: float = bounded(0.2, gt=0)  # how often the run's weights directory is checked for a newer policy
 

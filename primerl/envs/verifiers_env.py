@@ -14,6 +14,7 @@ import verifiers.v1 as vf
 from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
 from primerl.config.env import EnvConfig
+from primerl.envs.episode_journal import EPISODE, EPISODE_KEY
 from primerl.envs.http_transport import API_KEY_VAR, use_aiohttp_for_openai_clients
 from primerl.envs.pydantic_memo import memoize_default_factory_check
 from primerl.envs.tool_renderer import renderer_config, renderer_name
@@ -100,14 +101,15 @@ def episode_rollouts(episode: vf.Episode) -> list[Rollout | RolloutFailure]:
 
 class EnvRunner:
     """One rollout of a verifiers env through `ctx` (its train client records token ids, mask and logprobs):
-    the orchestrator's `RolloutRunner`. Errors come back as `RolloutFailure`s."""
+    the orchestrator's `RolloutRunner`. Errors come back as `RolloutFailure`s. `journaled`: its rollouts keep their
+    finished turns in the dispatcher's episode journals (primerl.envs.episode_journal)."""
 
-    def __init__(self, env: vf.Env, ctx: vf.ModelContext):
-        self.env, self.ctx = env, ctx
+    def __init__(self, env: vf.Env, ctx: vf.ModelContext, journaled: bool = False):
+        self.env, self.ctx, self.journaled = env, ctx, journaled
 
     async def run(self, task: vf.Task, seed: int | None = None) -> list[Rollout | RolloutFailure]:
         (slot,) = self.env.slots(task, 1)
-        return await run_episode(self.env, slot, seeded(self.ctx, seed))
+        return await run_episode(self.env, slot, rollout_context(self.ctx, seed, self.journaled))
 
 
 async def run_episode(env: vf.Env, slot, ctx: vf.ModelContext, *gate) -> list[Rollout | RolloutFailure]:
@@ -117,12 +119,17 @@ async def run_episode(env: vf.Env, slot, ctx: vf.ModelContext, *gate) -> list[Ro
     return episode_rollouts(await env.run_slot(slot, ctx, *gate))
 
 
-def seeded(ctx: vf.ModelContext, seed: int | None) -> vf.ModelContext:
-    """`ctx` whose requests carry `seed`: verifiers' train client passes the sampling keys to vLLM as they are, and
-    vLLM samples a seeded request with a generator of its own (the same tokens for the same logits)."""
-    if seed is None:
+def rollout_context(ctx: vf.ModelContext, seed: int | None, journaled: bool = False) -> vf.ModelContext:
+    """`ctx` for one rollout. Its requests carry `seed`: verifiers' train client passes the sampling keys to vLLM as
+    they are, and vLLM samples a seeded request with a generator of its own (the same tokens for the same logits).
+    `journaled`, and the dispatcher named the rollout's journal (`EPISODE`): they carry its path too, which the
+    transport takes out (primerl.envs.episode_journal)."""
+    extra: dict = {} if seed is None else {"seed": seed}
+    if journaled and (journal := EPISODE.get()) is not None:
+        extra[EPISODE_KEY] = journal
+    if not extra:
         return ctx
-    return dataclasses.replace(ctx, sampling=ctx.sampling.model_copy(update={"seed": seed}))
+    return dataclasses.replace(ctx, sampling=ctx.sampling.model_copy(update=extra))
 
 
 def expose_api_key(inf: "InferenceConfig") -> None:

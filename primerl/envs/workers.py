@@ -33,7 +33,7 @@ from typing import Any
 import verifiers.v1 as vf
 
 from primerl.envs.types import Rollout, RolloutFailure
-from primerl.envs.verifiers_env import seeded
+from primerl.envs.verifiers_env import rollout_context
 from primerl.envs.worker_process import (
     Worker,
     first_health_answer,
@@ -244,10 +244,11 @@ class EnvWorkers:
 
 
 class WorkerRunner:
-    """The orchestrator's `RolloutRunner` over env workers: one per inference replica (its `ctx`), sharing the pool."""
+    """The orchestrator's `RolloutRunner` over env workers: one per inference replica (its `ctx`), sharing the pool;
+    `journaled` as for primerl.envs.verifiers_env.EnvRunner."""
 
-    def __init__(self, workers: EnvWorkers, ctx: vf.ModelContext):
-        self.workers, self.ctx = workers, ctx
+    def __init__(self, workers: EnvWorkers, ctx: vf.ModelContext, journaled: bool = False):
+        self.workers, self.ctx, self.journaled = workers, ctx, journaled
 
     async def run(self, task: Any, seed: int | None = None) -> list[Rollout | RolloutFailure]:
-        return await self.workers.run(seeded(self.ctx, seed), task)
+        return await self.workers.run(rollout_context(self.ctx, seed, self.journaled), task)

@@ -160,6 +160,8 @@ def _server_args(cfg: ServingSections, model_path: str, device: str, adapter: st
         "--middleware",
         "primerl.inference.cache_salt.WeightEpochCacheSalt",
         "--middleware",
+        "primerl.inference.served_version.ServedPolicyVersion",
+        "--middleware",
         "primerl.inference.guard.InferenceGuard",  # last: outermost, sees every request first
     ]
     if inf.enforce_eager or (inf.enforce_eager is None and device == "cpu"):

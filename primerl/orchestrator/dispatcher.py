@@ -5,7 +5,8 @@
 sleeps until something changes (`wake()`: a group finished, a batch was cut, the policy advanced). Each group records
 the policy version it was dispatched under. With a `sampling_seed`, rollout i of the run's k-th task samples with
 `request_seed(sampling_seed, k, i)`: the same seeds in every rerun of the run, and after a resume (k counts from the
-task stream's start).
+task stream's start). With `journals`, rollout i of task k keeps its finished turns in its journal
+(primerl.orchestrator.episodes), and a task drawn again continues its rollouts from the turns kept there.
 
 Invariants:
 - every dispatched rollout is delivered exactly once, by `deliver` called synchronously as its group ends: in the
@@ -27,8 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from primerl.envs.episode_journal import EPISODE
 from primerl.envs.types import Rollout, RolloutFailure, RolloutRunner
 from primerl.orchestrator.accounting import TaskBook
+from primerl.orchestrator.episodes import EpisodeJournals
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.types import (
     CancelledGroup,
@@ -79,10 +82,15 @@ class Dispatcher:
         deliver: Callable[[FinishedGroup | CancelledGroup], None],
         may_admit: Callable[[int], bool] = lambda n: True,
         sampling_seed: int | None = None,
+        journals: EpisodeJournals | None = None,
+        oldest_usable: Callable[[], int] = lambda: 0,
     ):
+        """`journals`: where each rollout keeps its finished turns (None: nowhere); `oldest_usable`: the oldest
+        policy version a sample may come from now."""
         self.source, self.runner, self.policy = source, runner, policy
         self.group_size, self.max_inflight, self.rollout_timeout_s = group_size, max_inflight, rollout_timeout_s
         self.deliver, self.may_admit, self.sampling_seed = deliver, may_admit, sampling_seed
+        self.journals, self.oldest_usable = journals, oldest_usable
         self.counts = Counts()
         self.tasks = TaskBook()  # which drawn tasks are trained, spent or pending (primerl.orchestrator.accounting)
         self.groups: dict[int, _InFlight] = {}
@@ -115,6 +123,8 @@ class Dispatcher:
 
     def _admit(self, index: int, task: Any) -> None:
         group_id, version = next(self._ids), self.policy.version
+        if self.journals is not None and (kept := self.journals.kept_turns(index, self.oldest_usable())) is not None:
+            version = min(version, kept)  # the group's version is the oldest that sampled any of its tokens
         self.counts.dispatched += self.group_size
         self.tasks.drawn(index)
         seeds = [None] * self.group_size
@@ -129,7 +139,9 @@ class Dispatcher:
 
     async def _run_group(self, group_id: int, index: int, task: Any, version: int, seeds: list[int | None]) -> None:
         try:
-            per_rollout = await asyncio.gather(*(self._run_rollout(task, seed) for seed in seeds))
+            per_rollout = await asyncio.gather(
+                *(self._run_rollout(task, seed, self._journal(index, sample)) for sample, seed in enumerate(seeds))
+            )
         except asyncio.CancelledError:
             reason = self.groups[group_id].cancel_reason or "orchestrator stopping"
             self.groups.pop(group_id)
@@ -152,8 +164,14 @@ class Dispatcher:
         self.counts.failed += group.failed_rollouts
         self._emit(group)
 
-    async def _run_rollout(self, task: Any, seed: int | None) -> tuple[list[Rollout | RolloutFailure], int, float]:
+    def _journal(self, index: int, sample: int) -> str | None:
+        return None if self.journals is None else str(self.journals.path(index, sample))
+
+    async def _run_rollout(
+        self, task: Any, seed: int | None, journal: str | None
+    ) -> tuple[list[Rollout | RolloutFailure], int, float]:
         started = time.perf_counter()
+        EPISODE.set(journal)  # this rollout's own task (gather wrapped it): its context is its own
         try:
             async with asyncio.timeout(self.rollout_timeout_s):  # in this task: wait_for would start one per rollout
                 entries = await self.runner.run(task, seed)

@@ -42,6 +42,7 @@ from primerl.envs.types import RolloutRunner
 from primerl.metrics import OrchestratorMetric as M
 from primerl.orchestrator.admission import KvAdmission
 from primerl.orchestrator.dispatcher import Dispatcher
+from primerl.orchestrator.episodes import EpisodeJournals
 from primerl.orchestrator.sink import Cut, Sink
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
@@ -72,6 +73,7 @@ class Orchestrator:
         admission: KvAdmission | None = None,
         reward_weight: float = 1.0,
         distill_coef: float = 1.0,
+        journals: EpisodeJournals | None = None,
     ):
         self.cfg, self.max_steps, self.source, self.writer, self.policy = cfg, max_steps, source, writer, policy
         self.step = start_step  # the next batch to cut
@@ -96,7 +98,10 @@ class Orchestrator:
             self._deliver,
             self.may_admit,
             sampling_seed,
+            journals,
+            lambda: self.step - cfg.off_policy_bound,  # what the next cut's cancellation spares
         )
+        self.journals = journals
         # an environment that fails every rollout for 5 batches' worth stops the run; a server that dies can fail what
         # is in flight and its replacements before the watcher notices (2 x max_inflight), and resets the count
         self.max_failed_streak = 5 * cfg.batch_size + 2 * cfg.max_inflight
@@ -219,6 +224,8 @@ class Orchestrator:
             await asyncio.to_thread(
                 self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples, tasks
             )
+        if self.journals is not None:  # after the write: until then a crash runs these tasks again
+            self.journals.keep_only(tasks.pending, self.source.position)
         cancelled = self.dispatcher.cancel_older_than(
             self.step - self.cfg.off_policy_bound, f"too stale for step {self.step}"
         )

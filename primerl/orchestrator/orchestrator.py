@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.orchestrator.admission import KvAdmission
+from primerl.orchestrator.episodes import EpisodeJournals
 from primerl.orchestrator.gauges import IdleSampler
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.runners import online_evals, training_envs
@@ -185,6 +186,9 @@ async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
         meter = CutMeter(env_names, idle, replicas, pools, teacher)
         source = TaskSource(tasks, position, pending)
         sampling_seed = cfg.seed if cfg.orchestrator.seed_requests else None
+        journals = EpisodeJournals(run_dir) if cfg.orchestrator.resume_episodes else None
+        if journals is not None:
+            journals.keep_only(pending, position)
         admission = None
         if cfg.orchestrator.admission == "kv_pressure":
             admission = KvAdmission(replicas, cfg.orchestrator.max_inflight, cfg.orchestrator.group_size)
@@ -202,6 +206,7 @@ async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
             admission=admission,
             reward_weight=cfg.teacher.reward_weight,
             distill_coef=cfg.teacher.coef,
+            journals=journals,
         )
         await _run_with_helpers(orchestrator, watcher, idle, pools, online_eval)
 

@@ -59,18 +59,25 @@ def replica_runner(
     mixture: bool = False,
 ) -> RolloutRunner:
     """Rollouts of `envs` (one env, or a mixture's MixedTasks when there are several) spread over `replicas`; an env
-    with worker processes (`workers[name]`) runs its rollouts there."""
+    with worker processes (`workers[name]`) runs its rollouts there. An env that resumes by replay keeps its rollouts'
+    finished turns in the dispatcher's journals unless `orchestrator.resume_episodes` is off (online evals name no
+    journal, so theirs are not kept)."""
+    from primerl.envs.episode_journal import resumes_by_replay
     from primerl.envs.mixture import MixtureRunner
     from primerl.envs.verifiers_env import EnvRunner, model_context
     from primerl.envs.workers import WorkerRunner
     from primerl.orchestrator.replicas import ReplicaRunner
+
+    journaled = {name: cfg.orchestrator.resume_episodes and resumes_by_replay(env) for name, env in envs.items()}
 
     def runner_for(base_url: str) -> RolloutRunner:
         ctx = model_context(
             model_path, cfg.inference, temperature, max_tokens, cfg.orchestrator.sampling_args, base_url
         )
         runners = {
-            name: WorkerRunner(workers[name], ctx) if name in workers else EnvRunner(env, ctx)
+            name: WorkerRunner(workers[name], ctx, journaled[name])
+            if name in workers
+            else EnvRunner(env, ctx, journaled[name])
             for name, env in envs.items()
         }
         return MixtureRunner(runners) if mixture else next(iter(runners.values()))

@@ -25,6 +25,8 @@ from primerl.transport.run_dir import weights_path, weights_root
 SERVED_MODEL_NAME = "policy"
 ADAPTER_BASE_NAME = "policy-base"  # the base model's name on a server whose policy is an adapter
 WEIGHTS_DIR_ENV = "PRIMERL_WEIGHTS_DIR"
+# on a generate answer: the policy version the server served when it answered (primerl.inference.served_version)
+POLICY_VERSION_HEADER = "x-primerl-policy-version"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's: marks a directory as an adapter, not a whole model
 OFFER_FILE = "offer.json"  # marks a version sent by collective: its tensors, buckets and rendezvous
 RECEIVERS_FILE = "receivers.json"  # the orchestrator's answer to an offer: which replica groups take it

@@ -1,0 +1,83 @@
+"""Where the run's episode journals live and how long (primerl.envs.episode_journal: what one holds and how a rollout
+is resumed from it).
+
+Rollout i of the run's k-th task journals to `<run>/episodes/task<k>-<i>.jsonl`. The task stream is the same in
+every incarnation of a run (primerl.orchestrator.source), so a journal names one rollout of one task across restarts:
+a pending task run again, or a task drawn after the last batch and drawn again at the same place, finds its
+rollouts' finished turns there.
+
+Invariants:
+- a journal lives while its task may still run: it is removed once a written batch lists its task as trained or
+  spent, that is once the task is neither pending nor at or past that batch's stream position (`keep_only`);
+- a task whose journals hold turns older than the oldest policy a sample may still come from (what would cancel its
+  group at the next cut, primerl.orchestrator.loop) has them removed before it runs: it is sampled afresh, not lost.
+"""
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from primerl.envs.episode_journal import read_turns
+from primerl.utils.log import get_logger
+
+log = get_logger("orchestrator")
+
+EPISODES_DIR = "episodes"
+_NAME = re.compile(r"^task(\d+)-(\d+)\.jsonl$")
+
+
+class EpisodeJournals:
+    def __init__(self, run_dir: str | Path):
+        self.directory = Path(run_dir) / EPISODES_DIR
+        self.resumed_turns = 0  # finished turns found for tasks as they were drawn, cumulative
+
+    def path(self, task_index: int, sample: int) -> Path:
+        return self.directory / f"task{task_index}-{sample}.jsonl"
+
+    def _files(self, task_index: int | None = None) -> list[tuple[int, Path]]:
+        pattern = "task*-*.jsonl" if task_index is None else f"task{task_index}-*.jsonl"
+        try:
+            found = sorted(self.directory.glob(pattern))
+        except OSError:
+            return []
+        return [(int(match.group(1)), path) for path in found if (match := _NAME.match(path.name))]
+
+    def kept_turns(self, task_index: int, oldest_usable: int) -> int | None:
+        """The oldest policy version among the turns kept for the task's rollouts (None: no turn kept). Turns older
+        than `oldest_usable` are removed with their journals (logged): the task then runs afresh."""
+        files = [path for _, path in self._files(task_index)]
+        turns = [turn for path in files for turn in read_turns(path).values()]
+        if not turns:
+            return None
+        oldest = min((t.version for t in turns if t.version is not None), default=0)
+        if oldest < oldest_usable:
+            log.info(
+                "task %d: its %d kept turn(s) go back to policy v%d, older than any sample may come from now (v%d): "
+                "sampled afresh",
+                task_index,
+                len(turns),
+                oldest,
+                oldest_usable,
+            )
+            for path in files:
+                path.unlink(missing_ok=True)
+            return None
+        self.resumed_turns += len(turns)
+        log.info(
+            "task %d: %d finished turn(s) kept in %d episode journal(s), sampled by v%s: its rollouts continue from them",
+            task_index,
+            len(turns),
+            len(files),
+            "/v".join(str(v) for v in sorted({t.version for t in turns if t.version is not None})) or "?",
+        )
+        return oldest
+
+    def keep_only(self, pending: Iterable[int], position: int) -> int:
+        """Remove the journals of tasks neither in `pending` nor at or past `position`; how many were removed."""
+        keep = set(pending)
+        removed = 0
+        for index, path in self._files():
+            if index not in keep and index < position:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
