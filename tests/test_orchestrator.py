@@ -4,15 +4,19 @@ async_level=0 exactly on-policy, lock-step mode. Batches go through the real wri
 
 import asyncio
 import collections
+import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from primerl.config.orchestrator import FilterConfig, OrchestratorConfig
+from primerl.envs.episode_journal import EPISODE
 from primerl.envs.types import Rollout, RolloutFailure, ScoredBranch
 from primerl.metrics import ORCHESTRATOR, read_metrics
 from primerl.orchestrator.dispatcher import Dispatcher, request_seed
+from primerl.orchestrator.episodes import EPISODES_DIR, EpisodeJournals
 from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.sink import Sink
 from primerl.orchestrator.source import TaskSource
@@ -50,9 +54,16 @@ class FakeRunner:
     max_running: int = 0
     spans: list = field(default_factory=list)
     seeds: list = field(default_factory=list)  # (task index, seed) of every rollout started
+    journals: list = field(default_factory=list)  # (task index, journal name) of every rollout the dispatcher named one
 
     async def run(self, task: FakeTask, seed: int | None = None):
         self.seeds.append((task.index, seed))
+        if (journal := EPISODE.get()) is not None:  # a first turn, finished, as the transport would record it
+            self.journals.append((task.index, Path(journal).name))
+            Path(journal).parent.mkdir(exist_ok=True)
+            with open(journal, "a") as out:
+                out.write(json.dumps({"request": str(len(self.seeds)), "body": "{}", "version": self.policy.version}))
+                out.write("\n")
         self.started += 1
         self.running += 1
         self.max_running = max(self.max_running, self.running)
@@ -110,10 +121,11 @@ def run_pipeline(
     again=(),
     start_step=0,
     kill_after=None,
+    journals=False,
     **cfg_kwargs,
 ):
     """`kill_after`: stop the orchestrator as a kill would (nothing more written) at the first batch from that step on
-    that leaves tasks pending."""
+    that leaves tasks pending. `journals`: the dispatcher names each rollout's episode journal in the run directory."""
     cfg = OrchestratorConfig(**{"batch_size": 8, "group_size": 4, "max_inflight": 16, **cfg_kwargs})
     policy = Policy()
     runner = FakeRunner(policy, **(runner_kwargs or {}))
@@ -121,7 +133,15 @@ def run_pipeline(
     tasks = (FakeTask(i) for i in range(10_000))
     source = TaskSource(tasks, position, again)
     orchestrator = Orchestrator(
-        cfg, steps, source, runner, writer, policy, start_step=start_step, sampling_seed=sampling_seed
+        cfg,
+        steps,
+        source,
+        runner,
+        writer,
+        policy,
+        start_step=start_step,
+        sampling_seed=sampling_seed,
+        journals=EpisodeJournals(tmp_path) if journals else None,
     )
 
     async def main():
@@ -190,13 +210,23 @@ def test_a_restart_runs_the_tasks_a_stop_left_pending_first_and_every_drawn_task
     exactly one batch, or pending at the end."""
     fails = lambda task: "env error" if task.index % 6 == 5 else None  # noqa: E731
     kwargs = {"duration": heavy_tail(1), "fails": fails}
-    run_pipeline(tmp_path, 12, kwargs, sampling_seed=7, kill_after=3)
+    _, killed, _ = run_pipeline(tmp_path, 12, kwargs, sampling_seed=7, kill_after=3, journals=True)
     start, position, pending = RecordingWriter(tmp_path).resume_point()
     last = read_rollout_batch(rollout_path(tmp_path, start - 1))
     assert 4 <= start < 12 and (position, pending) == (last.data_position, last.tasks_pending) and pending
-    _, runner, _ = run_pipeline(
-        tmp_path, 12, kwargs, sampling_seed=7, position=position, again=pending, start_step=start
+    # rollout i of task k journals to task<k>-<i>; a journal outlives its task only while the task may run again
+    named = collections.defaultdict(set)
+    for index, name in killed.journals:
+        named[index].add(name)
+    assert all(names == {f"task{index}-{i}.jsonl" for i in range(4)} for index, names in named.items())
+    assert set(pending) <= {int(p.name[4:].split("-")[0]) for p in (tmp_path / EPISODES_DIR).iterdir()}
+    orchestrator, runner, _ = run_pipeline(
+        tmp_path, 12, kwargs, sampling_seed=7, position=position, again=pending, start_step=start, journals=True
     )
+    assert orchestrator.journals.resumed_turns > 0  # the pending tasks found their rollouts' finished turns
+    final = read_rollout_batch(rollout_path(tmp_path, 11))
+    left = {int(p.name[4:].split("-")[0]) for p in (tmp_path / EPISODES_DIR).iterdir()}
+    assert all(index in final.tasks_pending or index >= final.data_position for index in left)
     first = [index for index, _ in runner.seeds[: 4 * len(pending)]]
     assert first == [i for i in pending for _ in range(4)]  # the pending tasks first, each a whole group
     assert runner.seeds[:4] == [(pending[0], request_seed(7, pending[0], i)) for i in range(4)]

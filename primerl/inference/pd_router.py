@@ -38,6 +38,7 @@ from primerl.transport.address import read_address
 from primerl.transport.identity import SERVER_ID_ENV
 from primerl.transport.run_dir import pd_kv_store
 from primerl.transport.verified import verified_transport
+from primerl.transport.weights import POLICY_VERSION_HEADER
 from primerl.utils.wait import wait_until
 
 GENERATE_PATHS = ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions")
@@ -57,8 +58,11 @@ def one_token(path: str, body: dict) -> dict:
 
 
 def answer(response: httpx.Response) -> Response:
+    """The server's answer as the router's, with the policy version it served (the decode server's, which sampled)."""
     kind = response.headers.get("content-type", "application/json")
-    return Response(response.content, response.status_code, media_type=kind)
+    version = response.headers.get(POLICY_VERSION_HEADER)
+    headers = {POLICY_VERSION_HEADER: version} if version is not None else None
+    return Response(response.content, response.status_code, headers=headers, media_type=kind)
 
 
 class PdRouter:

@@ -9,8 +9,9 @@ rollouts' finished turns there.
 Invariants:
 - a journal lives while its task may still run: it is removed once a written batch lists its task as trained or
   spent, that is once the task is neither pending nor at or past that batch's stream position (`keep_only`);
-- a task whose journals hold turns older than the oldest policy a sample may still come from (what would cancel its
-  group at the next cut, primerl.orchestrator.loop) has them removed before it runs: it is sampled afresh, not lost.
+- a task whose journals hold turns older than the batch it would likely land in may train on (the batches the
+  samples buffered and in flight fill first, less `orchestrator.max_off_policy_steps`; primerl.orchestrator.loop) has
+  them removed before it runs: it is sampled afresh rather than dropped as too stale once it finishes.
 """
 
 import re

@@ -99,7 +99,7 @@ class Orchestrator:
             self.may_admit,
             sampling_seed,
             journals,
-            lambda: self.step - cfg.off_policy_bound,  # what the next cut's cancellation spares
+            self._oldest_usable,
         )
         self.journals = journals
         # an environment that fails every rollout for 5 batches' worth stops the run; a server that dies can fail what
@@ -116,6 +116,12 @@ class Orchestrator:
         """Something changed (a group finished, the policy advanced, the server came back): re-check and re-admit."""
         self._changed.set()
         self.dispatcher.wake()
+
+    def _oldest_usable(self) -> int:
+        """The oldest policy version a group admitted now may have sampled with and still train: the batch it will
+        likely land in comes after the samples buffered and in flight ahead of it."""
+        ahead = (self.dispatcher.inflight_rollouts + self.sink.buffered) // self.cfg.batch_size
+        return self.step + ahead - self.cfg.off_policy_bound
 
     def may_admit(self, n: int) -> bool:
         if not self.servers.serving:
@@ -136,6 +142,8 @@ class Orchestrator:
         return committed < cuttable * cfg.batch_size
 
     async def run(self) -> None:
+        if self.journals is not None:  # those of tasks a kill left trained or spent, before it removed them
+            self.journals.keep_only(self.source.owed_tasks, self.source.position)
         dispatching = asyncio.create_task(self.dispatcher.run(), name="dispatcher")
         lag = asyncio.create_task(self.meter.loop_lag.run(), name="loop-lag")
         try:

@@ -187,8 +187,6 @@ async def run_orchestrator(cfg: OrchestratorSections, model_path: str) -> None:
         source = TaskSource(tasks, position, pending)
         sampling_seed = cfg.seed if cfg.orchestrator.seed_requests else None
         journals = EpisodeJournals(run_dir) if cfg.orchestrator.resume_episodes else None
-        if journals is not None:
-            journals.keep_only(pending, position)
         admission = None
         if cfg.orchestrator.admission == "kv_pressure":
             admission = KvAdmission(replicas, cfg.orchestrator.max_inflight, cfg.orchestrator.group_size)

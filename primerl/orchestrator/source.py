@@ -40,6 +40,11 @@ class TaskSource:
         """Tasks still to run again before new ones."""
         return len(self._again)
 
+    @property
+    def owed_tasks(self) -> list[int]:
+        """Their indices."""
+        return [index for index, _ in self._again]
+
     def next(self) -> tuple[int, Any] | None:
         """The next task and its index in the stream, or None once the stream has run out."""
         if self._again:
