@@ -40,7 +40,10 @@ Afterwards it checks and prints:
   end, none of a refused second run;
 - each rerun without its tracking server waited for it (`ledger.connect_timeout_s`) and went on; each server that
   died at its first requests stopped the run with exit 1 and its error quoted;
-- no stray temporaries: no atomic-write temporaries under the run directory, no vLLM scratch dir of the run.
+- no stray temporaries: no atomic-write temporaries under the run directory, no vLLM scratch dir of the run;
+- with an env that resumes by replay (`--set env=guess_number`): the rollouts a kill cut short continued at their
+  next turn (turns served from their journals, by the turn each went on live at, with the versions that sampled
+  them), and no episode journal outlived its task.
 Data positions are the task-stream position at each cut. With continuous dispatch a batch can be cut entirely from
 groups drawn before the previous cut, so equal neighbours are expected; a decrease would be a rewind.
 Exit status 1 if any check fails.

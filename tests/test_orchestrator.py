@@ -220,6 +220,7 @@ def test_a_restart_runs_the_tasks_a_stop_left_pending_first_and_every_drawn_task
         named[index].add(name)
     assert all(names == {f"task{index}-{i}.jsonl" for i in range(4)} for index, names in named.items())
     assert set(pending) <= {int(p.name[4:].split("-")[0]) for p in (tmp_path / EPISODES_DIR).iterdir()}
+    order = sorted(pending, key=EpisodeJournals(tmp_path).newest_first)  # those with the newest kept turns first
     orchestrator, runner, _ = run_pipeline(
         tmp_path, 12, kwargs, sampling_seed=7, position=position, again=pending, start_step=start, journals=True
     )
@@ -228,8 +229,8 @@ def test_a_restart_runs_the_tasks_a_stop_left_pending_first_and_every_drawn_task
     left = {int(p.name[4:].split("-")[0]) for p in (tmp_path / EPISODES_DIR).iterdir()}
     assert all(index in final.tasks_pending or index >= final.data_position for index in left)
     first = [index for index, _ in runner.seeds[: 4 * len(pending)]]
-    assert first == [i for i in pending for _ in range(4)]  # the pending tasks first, each a whole group
-    assert runner.seeds[:4] == [(pending[0], request_seed(7, pending[0], i)) for i in range(4)]
+    assert first == [i for i in order for _ in range(4)]  # the pending tasks first, each a whole group
+    assert runner.seeds[:4] == [(order[0], request_seed(7, order[0], i)) for i in range(4)]
     batches = [read_rollout_batch(rollout_path(tmp_path, s)) for s in range(12)]
     counted = collections.Counter(i for b in batches for i in b.tasks_trained + b.tasks_spent)
     assert max(counted.values()) == 1

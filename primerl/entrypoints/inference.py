@@ -8,11 +8,12 @@ job's servers, or the decode job's servers and the routers). With `teacher.path`
 them, or under SLURM alone in the teacher's job (`teacher_specs`).
 
 A server that exits while serving (a crash, an OOM kill), or whose process lives on with its port closed (an engine
-that died under a request it never answers), is started again (the pool policy of primerl.utils.pool);
-the others keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
-(primerl.orchestrator.watcher). A start counts as bringing it back only once it has answered a generation request (its
-access line in the log, `VllmServer.has_served`), not at readiness: MAX_RESTARTS starts in a row that fail, or that die before serving anything
-(a model the engine loads but cannot run), end this process with code 1 and one line quoting the engine's own error.
+that died under a request it never answers), is started again (the pool policy of primerl.utils.pool); the others
+keep serving meanwhile, and the orchestrator takes the restarted one back with the current policy
+(primerl.orchestrator.watcher). A start counts as bringing it back only once it has answered a generation request
+(its access line in the log, `VllmServer.has_served`), not at readiness: MAX_RESTARTS starts in a row that fail, or
+that die before serving anything (a model the engine loads but cannot run), end this process with code 1 and one line
+quoting the engine's own error.
 """
 
 import os
@@ -44,8 +45,6 @@ from primerl.utils.pool import HEALTH_EVERY_S, RestartBudget
 
 log = get_logger("inference")
 MAX_RESTARTS = 3
-
-
 REFUSING_LIMIT_S = 6.0  # a live server refusing connections this long is stuck in its shutdown
 STUCK_GRACE_S = 1.0  # ...and ignores SIGTERM as well (it waits for the same request): killed after this
 

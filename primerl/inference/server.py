@@ -49,6 +49,7 @@ class VllmServer:
         self.tmp_dir: Path | None = None
         self.starts = 0  # processes spawned, cumulative: the first start and every restart
         self.log_start = 0  # where this start's lines begin in the log (it holds every start's)
+        self._scan = (0, 0, False)  # has_served's: (the start it read, how far, whether it found an access line)
 
     @property
     def base_url(self) -> str:
@@ -65,9 +66,20 @@ class VllmServer:
     def has_served(self) -> bool:
         """Whether this start has answered a generation request (uvicorn's access line in its log, `SERVED_REQUEST`).
         The log outlives the process, so a supervisor that asks after a kill still knows (a poll of the live server
-        would race the kill: under load it polls too late). primerl owns `--disable-uvicorn-access-log` and
-        `--uvicorn-log-level` (OWNED_VLLM_FLAGS)."""
-        return SERVED_REQUEST.search(self.this_start_log()) is not None
+        would race the kill: under load it polls too late). Each call reads only the lines added since the last.
+        primerl owns `--disable-uvicorn-access-log` and `--uvicorn-log-level` (OWNED_VLLM_FLAGS)."""
+        start, scanned, served = self._scan
+        if start != self.starts:  # a new start: its lines only
+            start, scanned, served = self.starts, self.log_start, False
+        if not served and self.log_path.exists():
+            with open(self.log_path, "rb") as log:
+                log.seek(scanned)
+                added = log.read()
+            whole = added[: added.rfind(b"\n") + 1]  # a line still being written is read at the next call
+            scanned += len(whole)
+            served = SERVED_REQUEST.search(whole) is not None
+        self._scan = (start, scanned, served)
+        return served
 
     def exit_reason(self) -> str:
         """Why the server's process ended, for one line: the signal that killed it; else the engine's own error, else

@@ -9,16 +9,19 @@ rollouts' finished turns there.
 Invariants:
 - a journal lives while its task may still run: it is removed once a written batch lists its task as trained or
   spent, that is once the task is neither pending nor at or past that batch's stream position (`keep_only`);
+- a restarted orchestrator runs the pending tasks with the newest kept turns first (they finish first, and the
+  first batch is the one their turns are least stale for);
 - a task whose journals hold turns older than the batch it would likely land in may train on (the batches the
   samples buffered and in flight fill first, less `orchestrator.max_off_policy_steps`; primerl.orchestrator.loop) has
   them removed before it runs: it is sampled afresh rather than dropped as too stale once it finishes.
 """
 
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from primerl.envs.episode_journal import read_turns
+from primerl.envs.episode_journal import Turn, read_turns
 from primerl.utils.log import get_logger
 
 log = get_logger("orchestrator")
@@ -43,14 +46,28 @@ class EpisodeJournals:
             return []
         return [(int(match.group(1)), path) for path in found if (match := _NAME.match(path.name))]
 
-    def kept_turns(self, task_index: int, oldest_usable: int) -> int | None:
-        """The oldest policy version among the turns kept for the task's rollouts (None: no turn kept). Turns older
-        than `oldest_usable` are removed with their journals (logged): the task then runs afresh."""
+    def _kept(self, task_index: int) -> tuple[list[Path], list[Turn]]:
         files = [path for _, path in self._files(task_index)]
-        turns = [turn for path in files for turn in read_turns(path).values()]
+        return files, [turn for path in files for turn in read_turns(path).values()]
+
+    def oldest_version(self, task_index: int) -> int | None:
+        """The oldest policy version among the turns kept for the task's rollouts (None: no turn kept; a turn whose
+        version the server did not say counts as v0)."""
+        _, turns = self._kept(task_index)
+        return min((t.version or 0 for t in turns), default=None)
+
+    def newest_first(self, task_index: int) -> float:
+        """A sort key of tasks: those with the newest kept turns first, those with none last."""
+        oldest = self.oldest_version(task_index)
+        return math.inf if oldest is None else -oldest
+
+    def kept_turns(self, task_index: int, oldest_usable: int) -> int | None:
+        """`oldest_version`, as the task is about to run. Turns older than `oldest_usable` are removed with their
+        journals (logged): the task then runs afresh, and this returns None."""
+        files, turns = self._kept(task_index)
         if not turns:
             return None
-        oldest = min((t.version for t in turns if t.version is not None), default=0)
+        oldest = min(t.version or 0 for t in turns)
         if oldest < oldest_usable:
             log.info(
                 "task %d: its %d kept turn(s) go back to policy v%d, older than any sample may come from now (v%d): "

@@ -9,7 +9,7 @@ and buffered for a later batch), in their order: a kill loses no task, and train
 
 import collections
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from primerl.utils.log import get_logger
@@ -44,6 +44,10 @@ class TaskSource:
     def owed_tasks(self) -> list[int]:
         """Their indices."""
         return [index for index, _ in self._again]
+
+    def run_first(self, key: Callable[[int], Any]) -> None:
+        """Order the tasks still owed by `key` of their index (a stable sort: ties keep the stream's order)."""
+        self._again = collections.deque(sorted(self._again, key=lambda owed: key(owed[0])))
 
     def next(self) -> tuple[int, Any] | None:
         """The next task and its index in the stream, or None once the stream has run out."""
