@@ -154,14 +154,15 @@ def test_a_request_that_names_no_journal_goes_out_unchanged(body):
 @pytest.mark.xdist_group("vllm-server")
 def test_a_rollout_cut_short_continues_at_its_next_turn_on_a_real_server_with_each_turns_version(server):
     """guess_number (8 turns at most) against the real server, journaled: a rollout at v41, its journal cut to its
-    first 2 turns (what a kill after turn 2 leaves), then v42 loaded and the rollout run again. Turns 1 and 2 come from
-    the journal (the server is asked only for the later turns), with their tokens and log-probs as sampled; turn 3 on
-    is sampled by v42, and the journal records which version sampled each turn."""
+    first 2 turns (what a kill after turn 2 leaves), then v42 loaded and the rollout run again in an env worker
+    process. Turns 1 and 2 come from the journal (the server is asked only for the later turns), with their tokens and
+    log-probs as sampled; turn 3 on is sampled by v42, and the journal records which version sampled each turn."""
     import itertools
 
     from primerl.app import check
     from primerl.envs.episode_journal import EPISODE
-    from primerl.envs.verifiers_env import env_runner, load_env
+    from primerl.envs.verifiers_env import env_config, env_runner, load_env
+    from primerl.envs.workers import EnvWorkers, WorkerRunner
     from primerl.inference.engine_log import SERVED_REQUEST
     from primerl.transport.run_dir import weights_path
     from primerl.utils.wait import wait_until_async
@@ -179,9 +180,9 @@ def test_a_rollout_cut_short_continues_at_its_next_turn_on_a_real_server_with_ea
     def served() -> int:
         return len(SERVED_REQUEST.findall(server.log_path.read_bytes()))
 
-    async def rollout(task, journal):
+    async def rollout(task, journal, by=runner):
         EPISODE.set(str(journal))
-        return (await runner.run(task))[0]
+        return (await by.run(task))[0]
 
     def sampled(rollout) -> list[tuple[int, float]]:
         return [(t, lp) for b in rollout.branches for t, m, lp in zip(b.token_ids, b.sampled_mask, b.logprobs) if m]
@@ -200,8 +201,10 @@ def test_a_rollout_cut_short_continues_at_its_next_turn_on_a_real_server_with_ea
         journal.write_bytes(b"\n".join(lines[:2]) + b"\n")
         new_weights = publish_perturbed(server, 42, 0.05, seed=2)
         await asyncio.to_thread(client_call, server, "load_weights", new_weights, 42)
-        before = served()
-        again = await rollout(task, journal)
+        pool = EnvWorkers("guess", env_config(cfg.env), 1, 60, 120, task_type=type(env.taskset).task_type())
+        async with pool:  # run again in another process, as after a crash: an env worker reads the journal
+            before = served()
+            again = await rollout(task, journal, WorkerRunner(pool, runner.ctx, journaled=True))
         live = len(assistant(again)) - 2
         await wait_until_async(lambda: served() >= before + live, "the access lines of the live turns", 10)
         return first, again, lines, before, live, journal
