@@ -61,6 +61,9 @@ def test_a_journaled_turn_is_recorded_once_and_served_again_for_the_same_request
             assert failed.status_code == 500  # an error is not a turn: not recorded
             plain = await post(body([1, 2], episode=None))  # a rollout that is not journaled goes to the server
             assert plain.json() == {"answer": 4}
+            elsewhere = tmp_path / "episodes" / "notes.txt"  # the key writes files: only a journal's name is taken
+            assert (await post(body([7], episode=str(elsewhere)))).json() == {"answer": 5}
+            assert not elsewhere.exists() and EPISODE_KEY not in seen[-1]["sampling_params"]
 
             # a restarted process (nothing cached), its journal cut by a kill mid-append
             with open(journal, "a") as out:
@@ -69,9 +72,9 @@ def test_a_journaled_turn_is_recorded_once_and_served_again_for_the_same_request
             again = await post(body([1, 2]))
             assert again.json() == {"answer": 1} and again.headers[POLICY_VERSION_HEADER] == "5"
             assert (await post(body([1, 2, 9, 3]))).json() == {"answer": 2}
-            assert len(seen) == 4  # both served from the journal
+            assert len(seen) == 5  # both served from the journal
             diverged = await post(body([1, 2, 9, 4]))  # the env asked something else: live, and recorded
-            assert diverged.json() == {"answer": 5} and len(seen) == 5
+            assert diverged.json() == {"answer": 6} and len(seen) == 6
         finally:
             await client.aclose()
             await runner.cleanup()

@@ -25,6 +25,7 @@ import contextvars
 import hashlib
 import json
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from primerl.utils.log import get_logger
 
 log = get_logger(__name__)
 
+EPISODES_DIR = "episodes"  # in the run directory (primerl.orchestrator.episodes)
+JOURNAL_NAME = re.compile(r"^task(\d+)-(\d+)\.jsonl$")  # rollout i of the run's k-th task: task<k>-<i>.jsonl
 EPISODE_KEY = "primerl_episode"  # the sampling key that carries a rollout's journal path to its transport
 RESUMES_BY_REPLAY = "RESUMES_BY_REPLAY"  # the env class attribute that declares it resumable (module docstring)
 # The rollout the current task runs for: its journal path. Set by the dispatcher around each rollout; a contextvar
@@ -51,16 +54,24 @@ class Turn:
     version: int | None  # the policy version the server served when it answered; None: not said
 
 
+def journal_name(task_index: int, sample: int) -> str:
+    return f"task{task_index}-{sample}.jsonl"
+
+
 def strip_episode(body: bytes) -> tuple[bytes, str | None]:
-    """(the request body without `EPISODE_KEY`, the journal path it named), or (`body`, None) when it names none."""
+    """(the request body without `EPISODE_KEY`, the journal path it named), or (`body`, None) when it names none. A
+    path that is not a journal's (`EPISODES_DIR/JOURNAL_NAME`) is taken out and not written: the key writes files."""
     if EPISODE_KEY.encode() not in body:
         return body, None
     try:
         request = json.loads(body)
-        path = request["sampling_params"].pop(EPISODE_KEY)
+        path = Path(request["sampling_params"].pop(EPISODE_KEY))
     except (ValueError, KeyError, TypeError, AttributeError):
         return body, None
-    return json.dumps(request).encode(), str(path)
+    journal = path.parent.name == EPISODES_DIR and JOURNAL_NAME.match(path.name) is not None
+    if not journal:
+        log.warning("a request named %s as its episode journal, which is none: not journaled", path)
+    return json.dumps(request).encode(), str(path) if journal else None
 
 
 def digest(body: bytes) -> str:

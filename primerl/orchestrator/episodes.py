@@ -17,17 +17,13 @@ Invariants:
 """
 
 import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from primerl.envs.episode_journal import Turn, read_turns
+from primerl.envs.episode_journal import EPISODES_DIR, JOURNAL_NAME, Turn, journal_name, read_turns
 from primerl.utils.log import get_logger
 
 log = get_logger("orchestrator")
-
-EPISODES_DIR = "episodes"
-_NAME = re.compile(r"^task(\d+)-(\d+)\.jsonl$")
 
 
 class EpisodeJournals:
@@ -36,7 +32,7 @@ class EpisodeJournals:
         self.resumed_turns = 0  # finished turns found for tasks as they were drawn, cumulative
 
     def path(self, task_index: int, sample: int) -> Path:
-        return self.directory / f"task{task_index}-{sample}.jsonl"
+        return self.directory / journal_name(task_index, sample)
 
     def _files(self, task_index: int | None = None) -> list[tuple[int, Path]]:
         pattern = "task*-*.jsonl" if task_index is None else f"task{task_index}-*.jsonl"
@@ -44,7 +40,7 @@ class EpisodeJournals:
             found = sorted(self.directory.glob(pattern))
         except OSError:
             return []
-        return [(int(match.group(1)), path) for path in found if (match := _NAME.match(path.name))]
+        return [(int(match.group(1)), path) for path in found if (match := JOURNAL_NAME.match(path.name))]
 
     def _kept(self, task_index: int) -> tuple[list[Path], list[Turn]]:
         files = [path for _, path in self._files(task_index)]
