@@ -139,7 +139,7 @@ def test_journals_live_while_their_task_may_run_and_turns_too_stale_to_train_are
     assert sorted([5, 4, 12, 9, 7], key=journals.newest_first) == [12, 9, 4, 7, 5]  # a restart runs them so
     assert journals.kept_turns(5, oldest_usable=0) is None  # nothing kept for task 5
     assert journals.kept_turns(4, oldest_usable=3) == 3 and journals.resumed_turns == 3
-    assert journals.kept_turns(7, oldest_usable=3) is None  # v2 < 3: removed, run afresh
+    assert journals.kept_turns(7, oldest_usable=3) is None and journals.stale_turns == 1  # v2 < 3: run afresh
     assert not journals.path(7, 0).exists()
     # a batch at stream position 10 left task 4 pending: 9 (trained or spent) goes, 12 (past the position) stays
     assert journals.keep_only([4], position=10) == 1

@@ -29,7 +29,8 @@ log = get_logger("orchestrator")
 class EpisodeJournals:
     def __init__(self, run_dir: str | Path):
         self.directory = Path(run_dir) / EPISODES_DIR
-        self.resumed_turns = 0  # finished turns found for tasks as they were drawn, cumulative
+        self.resumed_turns = 0  # kept turns that tasks drawn again continue from, cumulative
+        self.stale_turns = 0  # kept turns removed instead, too stale to train, cumulative
 
     def path(self, task_index: int, sample: int) -> Path:
         return self.directory / journal_name(task_index, sample)
@@ -66,8 +67,8 @@ class EpisodeJournals:
         oldest = min(t.version or 0 for t in turns)
         if oldest < oldest_usable:
             log.info(
-                "task %d: its %d kept turn(s) go back to policy v%d, older than any sample may come from now (v%d): "
-                "sampled afresh",
+                "task %d: its %d kept turn(s) go back to policy v%d, older than the batch it would land in trains on "
+                "(v%d and newer): sampled afresh",
                 task_index,
                 len(turns),
                 oldest,
@@ -75,6 +76,7 @@ class EpisodeJournals:
             )
             for path in files:
                 path.unlink(missing_ok=True)
+            self.stale_turns += len(turns)
             return None
         self.resumed_turns += len(turns)
         log.info(
