@@ -220,7 +220,9 @@ def test_a_restart_runs_the_tasks_a_stop_left_pending_first_and_every_drawn_task
         named[index].add(name)
     assert all(names == {f"task{index}-{i}.jsonl" for i in range(4)} for index, names in named.items())
     assert set(pending) <= {int(p.name[4:].split("-")[0]) for p in (tmp_path / EPISODES_DIR).iterdir()}
-    order = sorted(pending, key=EpisodeJournals(tmp_path).newest_first)  # those with the newest kept turns first
+    found = EpisodeJournals(tmp_path)
+    found.begin(pending, position)  # as the restarted orchestrator does
+    order = sorted(pending, key=found.newest_first)  # those with the newest kept turns first
     orchestrator, runner, _ = run_pipeline(
         tmp_path, 12, kwargs, sampling_seed=7, position=position, again=pending, start_step=start, journals=True
     )

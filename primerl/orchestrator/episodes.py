@@ -9,6 +9,8 @@ rollouts' finished turns there.
 Invariants:
 - a journal lives while its task may still run: it is removed once a written batch lists its task as trained or
   spent, that is once the task is neither pending nor at or past that batch's stream position (`keep_only`);
+- an incarnation looks for kept turns only among the journals it found as it began (`begin`): it draws each task
+  once, so whatever else is there is its own rollouts' (a draw never lists the directory);
 - a restarted orchestrator runs the pending tasks with the newest kept turns first (they finish first, and the
   first batch is the one their turns are least stale for);
 - a task whose journals hold turns older than the batch it would likely land in may train on (the batches the
@@ -31,20 +33,30 @@ class EpisodeJournals:
         self.directory = Path(run_dir) / EPISODES_DIR
         self.resumed_turns = 0  # kept turns that tasks drawn again continue from, cumulative
         self.stale_turns = 0  # kept turns removed instead, too stale to train, cumulative
+        # the journals an earlier incarnation left, by task: only a task among them can have turns kept when drawn
+        # (this incarnation draws each task once), so a draw looks no further
+        self._before: dict[int, list[Path]] = {}
 
     def path(self, task_index: int, sample: int) -> Path:
         return self.directory / journal_name(task_index, sample)
 
-    def _files(self, task_index: int | None = None) -> list[tuple[int, Path]]:
-        pattern = "task*-*.jsonl" if task_index is None else f"task{task_index}-*.jsonl"
+    def _files(self) -> list[tuple[int, Path]]:
         try:
-            found = sorted(self.directory.glob(pattern))
-        except OSError:
+            found = sorted(self.directory.iterdir())
+        except OSError:  # no journal yet
             return []
         return [(int(match.group(1)), path) for path in found if (match := JOURNAL_NAME.match(path.name))]
 
+    def begin(self, owed: Iterable[int], position: int) -> None:
+        """At the start of an incarnation that owes the tasks `owed` and goes on at stream `position`: keep the
+        journals that may still be used (`keep_only`) and remember them."""
+        self.keep_only(owed, position)
+        self._before = {}
+        for index, path in self._files():
+            self._before.setdefault(index, []).append(path)
+
     def _kept(self, task_index: int) -> tuple[list[Path], list[Turn]]:
-        files = [path for _, path in self._files(task_index)]
+        files = self._before.get(task_index, [])
         return files, [turn for path in files for turn in read_turns(path).values()]
 
     def oldest_version(self, task_index: int) -> int | None:
@@ -62,6 +74,7 @@ class EpisodeJournals:
         """`oldest_version`, as the task is about to run. Turns older than `oldest_usable` are removed with their
         journals (logged): the task then runs afresh, and this returns None."""
         files, turns = self._kept(task_index)
+        self._before.pop(task_index, None)
         if not turns:
             return None
         oldest = min(t.version or 0 for t in turns)

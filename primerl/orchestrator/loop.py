@@ -143,7 +143,7 @@ class Orchestrator:
 
     async def run(self) -> None:
         if self.journals is not None:  # those of tasks a kill left trained or spent, before it removed them
-            self.journals.keep_only(self.source.owed_tasks, self.source.position)
+            self.journals.begin(self.source.owed_tasks, self.source.position)
             self.source.run_first(self.journals.newest_first)
         dispatching = asyncio.create_task(self.dispatcher.run(), name="dispatcher")
         lag = asyncio.create_task(self.meter.loop_lag.run(), name="loop-lag")
