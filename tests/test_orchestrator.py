@@ -25,6 +25,7 @@ from primerl.orchestrator.types import FinishedGroup, FinishedRollout, Policy
 from primerl.orchestrator.writer import BatchWriter
 from primerl.transport.batches import read_rollout_batch
 from primerl.transport.run_dir import rollout_path, samples_path
+from primerl.utils.errors import RunError
 
 
 @dataclass
@@ -87,16 +88,25 @@ class FakeRunner:
         return [Rollout(reward, {"score": reward}, [branch], "answer", "user: question", {"turns": 1.0})]
 
 
-class RecordingWriter(BatchWriter):
-    """The real writer (files in the run directory), remembering the samples of each batch."""
+class Killed(Exception):
+    """The orchestrator's process is gone: nothing more is written."""
 
-    def __init__(self, run_dir):
+
+class RecordingWriter(BatchWriter):
+    """The real writer (files in the run directory), remembering the samples of each batch. With `kill_after`, the
+    first batch from that step on that leaves tasks pending is the last written: a write after it raises `Killed`."""
+
+    def __init__(self, run_dir, kill_after: int | None = None):
         super().__init__(run_dir, seq_len=64, micro_batch_size=4, pad_id=0, temperature=1.0, async_level=1)
         self.samples = {}
+        self.kill_after, self.killed = kill_after, False
 
     def write(self, step, samples, metrics, data_position, examples, tasks=None):
+        if self.killed:
+            raise Killed(f"killed after the batch of step {step - 1}")
         self.samples[step] = samples
         super().write(step, samples, metrics, data_position, examples, tasks)
+        self.killed = self.kill_after is not None and step >= self.kill_after and bool(tasks and tasks.pending)
 
 
 async def fake_trainer(orchestrator: Orchestrator, run_dir, policy: Policy, train_s: float) -> None:
@@ -129,7 +139,7 @@ def run_pipeline(
     cfg = OrchestratorConfig(**{"batch_size": 8, "group_size": 4, "max_inflight": 16, **cfg_kwargs})
     policy = Policy()
     runner = FakeRunner(policy, **(runner_kwargs or {}))
-    writer = RecordingWriter(tmp_path)
+    writer = RecordingWriter(tmp_path, kill_after)
     tasks = (FakeTask(i) for i in range(10_000))
     source = TaskSource(tasks, position, again)
     orchestrator = Orchestrator(
@@ -147,20 +157,10 @@ def run_pipeline(
     async def main():
         trainer = asyncio.create_task(fake_trainer(orchestrator, tmp_path, policy, train_s))
         try:
-            if kill_after is None:
-                await asyncio.wait_for(orchestrator.run(), 30)
-                return
-            run = asyncio.create_task(orchestrator.run())
-            async with asyncio.timeout(30):
-                step = kill_after
-                while not (
-                    rollout_path(tmp_path, step).exists()
-                    and read_rollout_batch(rollout_path(tmp_path, step)).tasks_pending
-                ):
-                    step += rollout_path(tmp_path, step).exists()
-                    await asyncio.sleep(0.001)
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
+            await asyncio.wait_for(orchestrator.run(), 30)
+        except RunError as err:  # the batch writer's failure, as the orchestrator reports it
+            if not isinstance(err.__cause__, Killed):
+                raise
         finally:
             trainer.cancel()
 
