@@ -100,8 +100,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         response = await self._send(request, body)
         answer = await response.aread()
         if response.status_code == 200:
-            version = response.headers.get(POLICY_VERSION_HEADER)
-            JOURNALS.record(journal, request_digest, Turn(answer, int(version) if version else None))
+            version = response.headers.get(POLICY_VERSION_HEADER, "")  # a server that is not primerl's: none
+            JOURNALS.record(journal, request_digest, Turn(answer, int(version) if version.isdigit() else None))
         return response
 
     async def _send(self, request: httpx.Request, body: bytes) -> httpx.Response:
