@@ -163,13 +163,16 @@ KEPT_LINE = re.compile(r"task (\d+): (\d+) finished turn\(s\) kept in \d+ episod
 
 
 def check_episodes(run: Path, steps: int) -> list[tuple[str, bool, str]]:
-    """With an env that resumes by replay (primerl.envs.episode_journal): the rollouts a kill cut short continued from
-    their last finished turn, and no journal outlived its task. Nothing to check for other envs."""
+    """With an env that resumes by replay (primerl.envs.episode_journal): the rollouts a kill cut short found their
+    finished turns after it and continued from them (served from the journals), or, where those turns were too stale
+    for the batch the task would land in, ran afresh; and no journal outlived its task. Which of the two depends on
+    how far the trainer got meanwhile. Nothing to check for other envs."""
     journals = run / EPISODES_DIR
     if not journals.is_dir():
         return []
     olog = (run / "logs" / "orchestrator.log").read_text()
     kept = KEPT_LINE.findall(olog)
+    afresh = olog.count("kept turn(s) go back to policy")
     per_episode = collections.Counter(SERVED_LINE.findall(olog))  # turns served again, per rollout
     served = sum(per_episode.values())
     example = ", ".join(f"task {task}: {turns} turn(s) by {versions}" for task, turns, versions in kept[:3])
@@ -182,9 +185,10 @@ def check_episodes(run: Path, steps: int) -> list[tuple[str, bool, str]]:
     ]
     return [
         (
-            "rollouts cut by a kill continued at their next turn",
-            bool(kept) and served >= 1,
-            f"{len(kept)} task(s) with {sum(int(t) for _, t, _ in kept)} turn(s) kept ({example or 'none'}); "
+            "rollouts cut by a kill continued at their next turn, or afresh where too stale",
+            bool(kept or afresh) and (served >= 1 or not kept),
+            f"{len(kept)} task(s) with {sum(int(t) for _, t, _ in kept)} turn(s) kept ({example or 'none'}), "
+            f"{afresh} task(s) sampled afresh; "
             f"{served} turn(s) served from journals, not sampled again; rollouts by the turn they went on live at: "
             f"{', '.join(f'turn {turn}: {n}' for turn, n in went_on_at) or 'none'}",
         ),
