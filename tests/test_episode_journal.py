@@ -136,15 +136,17 @@ def test_journals_live_while_their_task_may_run_and_turns_too_stale_to_train_are
     write(7, 0, [2])
     write(9, 0, [8])
     write(12, 0, [9])
-    journals.begin([4, 7, 9, 12], position=0)  # a restarted orchestrator owes these
+    write(2, 0, [1])  # task 2 was settled by the batch a kill came right after: not owed, before the position
+    journals.begin([4, 7, 9], position=10)  # a restarted orchestrator owes these and goes on at task 10
+    assert not journals.path(2, 0).exists()
     assert sorted([5, 4, 12, 9, 7], key=journals.newest_first) == [12, 9, 4, 7, 5]  # ...and runs them so
     assert journals.kept_turns(5, oldest_usable=0) is None  # nothing kept for task 5
     assert journals.kept_turns(4, oldest_usable=3) == 3 and journals.resumed_turns == 3
     assert journals.kept_turns(4, oldest_usable=3) is None  # drawn once per incarnation: what it writes now is its own
     assert journals.kept_turns(7, oldest_usable=3) is None and journals.stale_turns == 1  # v2 < 3: run afresh
     assert not journals.path(7, 0).exists()
-    # a batch at stream position 10 left task 4 pending: 9 (trained or spent) goes, 12 (past the position) stays
-    assert journals.keep_only([4], position=10) == 1
+    # a batch lists 9 as trained and 13 as spent (13 kept no journal): theirs go, by name, and the others stay
+    journals.settled([9, 13], group_size=2)
     assert sorted(p.name for p in journals.directory.iterdir()) == ["task12-0.jsonl", "task4-0.jsonl", "task4-1.jsonl"]
 
 

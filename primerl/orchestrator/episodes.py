@@ -8,9 +8,11 @@ rollouts' finished turns there.
 
 Invariants:
 - a journal lives while its task may still run: it is removed once a written batch lists its task as trained or
-  spent, that is once the task is neither pending nor at or past that batch's stream position (`keep_only`);
+  spent (`settled`, by name: a task is settled only once all its rollouts ended); an incarnation's `begin` removes
+  the journals of tasks neither owed nor at or past its stream position (what a kill left after the write);
 - an incarnation looks for kept turns only among the journals it found as it began (`begin`): it draws each task
-  once, so whatever else is there is its own rollouts' (a draw never lists the directory);
+  once, so whatever else is there is its own rollouts' (only `begin` lists the directory, and each task's journals
+  are read at most once);
 - a restarted orchestrator runs the pending tasks with the newest kept turns first (they finish first, and the
   first batch is the one their turns are least stale for);
 - a task whose journals hold turns older than the batch it would likely land in may train on (the batches the
@@ -36,6 +38,7 @@ class EpisodeJournals:
         # the journals an earlier incarnation left, by task: only a task among them can have turns kept when drawn
         # (this incarnation draws each task once), so a draw looks no further
         self._before: dict[int, list[Path]] = {}
+        self._read: dict[int, list[Turn]] = {}  # the turns of `_before`'s journals, by task, once read
 
     def path(self, task_index: int, sample: int) -> Path:
         return self.directory / journal_name(task_index, sample)
@@ -49,15 +52,20 @@ class EpisodeJournals:
 
     def begin(self, owed: Iterable[int], position: int) -> None:
         """At the start of an incarnation that owes the tasks `owed` and goes on at stream `position`: keep the
-        journals that may still be used (`keep_only`) and remember them."""
-        self.keep_only(owed, position)
-        self._before = {}
+        journals that may still be used and remember them; remove the others."""
+        keep = set(owed)
+        self._before, self._read = {}, {}
         for index, path in self._files():
-            self._before.setdefault(index, []).append(path)
+            if index in keep or index >= position:
+                self._before.setdefault(index, []).append(path)
+            else:  # settled in a batch written just before a kill, which came before `settled` removed it
+                path.unlink(missing_ok=True)
 
     def _kept(self, task_index: int) -> tuple[list[Path], list[Turn]]:
         files = self._before.get(task_index, [])
-        return files, [turn for path in files for turn in read_turns(path).values()]
+        if task_index not in self._read:
+            self._read[task_index] = [turn for path in files for turn in read_turns(path).values()]
+        return files, self._read[task_index]
 
     def oldest_version(self, task_index: int) -> int | None:
         """The oldest policy version among the turns kept for the task's rollouts (None: no turn kept; a turn whose
@@ -75,6 +83,7 @@ class EpisodeJournals:
         journals (logged): the task then runs afresh, and this returns None."""
         files, turns = self._kept(task_index)
         self._before.pop(task_index, None)
+        self._read.pop(task_index, None)
         if not turns:
             return None
         oldest = min(t.version or 0 for t in turns)
@@ -101,12 +110,8 @@ class EpisodeJournals:
         )
         return oldest
 
-    def keep_only(self, pending: Iterable[int], position: int) -> int:
-        """Remove the journals of tasks neither in `pending` nor at or past `position`; how many were removed."""
-        keep = set(pending)
-        removed = 0
-        for index, path in self._files():
-            if index not in keep and index < position:
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+    def settled(self, tasks: Iterable[int], group_size: int) -> None:
+        """Remove the journals of `tasks`, which a written batch lists as trained or spent (their rollouts all ended)."""
+        for index in tasks:
+            for sample in range(group_size):
+                self.path(index, sample).unlink(missing_ok=True)

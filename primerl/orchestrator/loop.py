@@ -234,7 +234,7 @@ class Orchestrator:
                 self.writer.write, cut.step, cut.samples, stats, self.source.position, cut.examples, tasks
             )
         if self.journals is not None:  # after the write: until then a crash runs these tasks again
-            self.journals.keep_only(tasks.pending, self.source.position)
+            self.journals.settled(tasks.trained + tasks.spent, self.dispatcher.group_size)
         cancelled = self.dispatcher.cancel_older_than(
             self.step - self.cfg.off_policy_bound, f"too stale for step {self.step}"
         )
