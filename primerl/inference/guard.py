@@ -79,6 +79,28 @@ def adapter_refusal(request: object) -> str | None:
     return weights_dir_refusal(path, os.environ.get(WEIGHTS_DIR_ENV))
 
 
+def rpc_call(body: bytes) -> tuple[str | None, list]:
+    """The method a `/collective_rpc` body calls and its args ((None, []) for a body that is no such call)."""
+    try:
+        request = json.loads(body)
+        method, args = request.get("method"), request.get("args", [])
+    except (ValueError, AttributeError):
+        return None, []
+    return (method if isinstance(method, str) else None), (args if isinstance(args, list) else [])
+
+
+def headers_added(send, added):
+    """`send` with the headers `added()` returns appended to the response's start (called then, so a value that
+    changes while the request runs is read as the answer goes out)."""
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *added()]}
+        await send(message)
+
+    return sending
+
+
 async def read_body(receive) -> bytes:
     chunks = []
     while True:
@@ -130,15 +152,7 @@ class InferenceGuard:
         if nonce and len(nonce) <= 128 and self.key_digest is not None and scope.get("server"):
             answer = proof(self.key_digest, nonce, scope["server"][1])
             added.append((PROOF_HEADER.encode(), answer.encode()))
-        if not added:
-            return send
-
-        async def marked_send(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *added]}
-            await send(message)
-
-        return marked_send
+        return headers_added(send, lambda: added) if added else send
 
     def from_a_client(self, scope) -> bool:
         """Not from a web page: no Origin header, and (keyless) a loopback Host."""
@@ -172,11 +186,8 @@ class InferenceGuard:
             return await reply(scope, send, 401, "Unauthorized")
         if path == RPC_PATH and scope["type"] == "http":
             body = await read_body(receive)
-            try:
-                method = json.loads(body).get("method")
-            except (ValueError, AttributeError):
-                method = None
-            if not (isinstance(method, str) and method.startswith(RPC_METHOD_PREFIX)):
+            method, _ = rpc_call(body)
+            if not (method and method.startswith(RPC_METHOD_PREFIX)):
                 return await reply(scope, send, 403, f"only {RPC_METHOD_PREFIX}* methods may be called")
             receive = replay(body, receive)
         elif path == ADAPTER_LOAD_PATH and scope["type"] == "http":

@@ -10,9 +10,7 @@ request that spanned a load has its earlier tokens from the version before. Assu
 default), since the version lives in its memory.
 """
 
-import json
-
-from primerl.inference.guard import GENERATE_PATHS, RPC_PATH, read_body, replay
+from primerl.inference.guard import GENERATE_PATHS, RPC_PATH, headers_added, read_body, replay, rpc_call
 from primerl.transport.weights import POLICY_VERSION_HEADER
 
 LOAD_METHOD = "primerl_load_weights"  # primerl.inference.worker_extension
@@ -20,13 +18,11 @@ LOAD_METHOD = "primerl_load_weights"  # primerl.inference.worker_extension
 
 def loaded_version(body: bytes) -> int | None:
     """The version a `/collective_rpc` body loads, or None when it is no load."""
+    method, args = rpc_call(body)
     try:
-        request = json.loads(body)
-        if request.get("method") == LOAD_METHOD:
-            return int(request["args"][1])
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        pass
-    return None
+        return int(args[1]) if method == LOAD_METHOD else None
+    except (ValueError, IndexError, TypeError):
+        return None
 
 
 class ServedPolicyVersion:
@@ -39,7 +35,7 @@ class ServedPolicyVersion:
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path in GENERATE_PATHS:
-            return await self.app(scope, receive, self._stamped(send))
+            return await self.app(scope, receive, headers_added(send, self._stamp))
         if path == RPC_PATH:
             body = await read_body(receive)
             version = loaded_version(body)
@@ -48,14 +44,8 @@ class ServedPolicyVersion:
             receive = replay(body, receive)
         return await self.app(scope, receive, send)
 
-    def _stamped(self, send):
-        async def stamped(message):
-            if message["type"] == "http.response.start":
-                header = (POLICY_VERSION_HEADER.encode(), str(self.version).encode())
-                message = {**message, "headers": [*message.get("headers", []), header]}
-            await send(message)
-
-        return stamped
+    def _stamp(self) -> list[tuple[bytes, bytes]]:
+        return [(POLICY_VERSION_HEADER.encode(), str(self.version).encode())]
 
     def _on_success(self, send, version: int):
         async def noted(message):
