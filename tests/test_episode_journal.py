@@ -16,11 +16,12 @@ from primerl.envs.http_transport import AiohttpTransport
 from primerl.inference.served_version import ServedPolicyVersion
 from primerl.orchestrator.episodes import EpisodeJournals
 from primerl.transport.weights import POLICY_VERSION_HEADER
+from tests.loopback import loopback_server
 
 
-async def _generate_server(seen: list, version: list):
-    """A stand-in engine on 127.0.0.1: answers each generate request with its count, stamps `version[0]`; status 500
-    for a request whose token ids start with 0."""
+def _generate_route(seen: list, version: list) -> dict:
+    """A stand-in engine's route: answers each generate request with its count, stamps `version[0]`; status 500 for a
+    request whose token ids start with 0."""
 
     async def generate(request):
         body = await request.read()
@@ -29,13 +30,7 @@ async def _generate_server(seen: list, version: list):
         answer = {"answer": len(seen)}
         return web.json_response(answer, status=status, headers={POLICY_VERSION_HEADER: str(version[0])})
 
-    app = web.Application()
-    app.router.add_post("/inference/v1/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return {("POST", "/inference/v1/generate"): generate}
 
 
 def test_a_journaled_turn_is_recorded_once_and_served_again_for_the_same_request_only(tmp_path, monkeypatch):
@@ -47,10 +42,11 @@ def test_a_journaled_turn_is_recorded_once_and_served_again_for_the_same_request
 
     async def main():
         seen, version = [], [5]
-        runner, url = await _generate_server(seen, version)
-        client = httpx.AsyncClient(transport=AiohttpTransport(httpx.Limits()))
-        post = lambda b: client.post(f"{url}/inference/v1/generate", json=b)  # noqa: E731
-        try:
+        async with (
+            loopback_server(_generate_route(seen, version)) as url,
+            httpx.AsyncClient(transport=AiohttpTransport(httpx.Limits())) as client,
+        ):
+            post = lambda b: client.post(f"{url}/inference/v1/generate", json=b)  # noqa: E731
             first = await post(body([1, 2]))
             assert first.json() == {"answer": 1} and first.headers[POLICY_VERSION_HEADER] == "5"
             assert EPISODE_KEY not in seen[0]["sampling_params"]  # the key never leaves this process
@@ -75,9 +71,6 @@ def test_a_journaled_turn_is_recorded_once_and_served_again_for_the_same_request
             assert len(seen) == 5  # both served from the journal
             diverged = await post(body([1, 2, 9, 4]))  # the env asked something else: live, and recorded
             assert diverged.json() == {"answer": 6} and len(seen) == 6
-        finally:
-            await client.aclose()
-            await runner.cleanup()
 
     asyncio.run(main())
     turns = read_turns(tmp_path / "episodes" / "task3-1.jsonl")

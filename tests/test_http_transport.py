@@ -13,6 +13,7 @@ from verifiers.v1.clients import base as verifiers_clients
 
 from primerl.envs.http_transport import AiohttpTransport, use_aiohttp_for_openai_clients
 from primerl.envs.verifiers_env import TRANSIENT_RETRIES
+from tests.loopback import loopback_server
 
 
 async def echo(request: web.Request) -> web.Response:
@@ -46,24 +47,21 @@ async def hang_up(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
+ROUTES = {
+    ("POST", "/v1/echo"): echo,
+    ("GET", "/v1/gzip"): gzipped,
+    ("GET", "/v1/stream"): streamed,
+    ("POST", "/v1/slow"): slow,
+    ("POST", "/v1/hang_up"): hang_up,
+}
+
+
 async def with_server(test) -> None:
-    app = web.Application()
-    app.router.add_post("/v1/echo", echo)
-    app.router.add_get("/v1/gzip", gzipped)
-    app.router.add_get("/v1/stream", streamed)
-    app.router.add_post("/v1/slow", slow)
-    app.router.add_post("/v1/hang_up", hang_up)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    http = httpx.AsyncClient(transport=AiohttpTransport(httpx.Limits(max_connections=8)), timeout=2.0)
-    try:
-        await test(f"http://127.0.0.1:{port}/v1", http)
-    finally:
-        await http.aclose()
-        await runner.cleanup()
+    async with (
+        loopback_server(ROUTES) as url,
+        httpx.AsyncClient(transport=AiohttpTransport(httpx.Limits(max_connections=8)), timeout=2.0) as http,
+    ):
+        await test(f"{url}/v1", http)
 
 
 def sdk(base_url: str, http: httpx.AsyncClient) -> openai.AsyncOpenAI:

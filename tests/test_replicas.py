@@ -33,6 +33,7 @@ from primerl.transport.weights import (
 )
 from primerl.utils.errors import RunError
 from primerl.utils.liveness import Liveness
+from tests.loopback import loopback_server
 
 
 class FakeServer:
@@ -446,22 +447,15 @@ def test_a_server_whose_workers_disagree_serves_the_oldest_version_they_serve():
         return web.json_response(answers)
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/collective_rpc", collective_rpc)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with InferenceClient(f"http://127.0.0.1:{port}") as client:
-                assert await client.policy_version() == 0
-                answers["results"] = [70, UNPROVEN]
-                assert await client.policy_version() == UNPROVEN
-                answers["results"] = [70, 70]
-                assert await client.policy_version() == 70
-        finally:
-            await runner.cleanup()
+        async with (
+            loopback_server({("POST", "/collective_rpc"): collective_rpc}) as url,
+            InferenceClient(url) as client,
+        ):
+            assert await client.policy_version() == 0
+            answers["results"] = [70, UNPROVEN]
+            assert await client.policy_version() == UNPROVEN
+            answers["results"] = [70, 70]
+            assert await client.policy_version() == 70
 
     asyncio.run(main())
 

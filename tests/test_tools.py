@@ -20,6 +20,7 @@ from primerl.envs.tool_renderer import MALFORMED_TOOL_CALL, renderer_config, ren
 from primerl.envs.verifiers_env import load_env
 from primerl.model.tiny import TOOL_CALL_END, TOOL_CALL_START, build_tokenizer
 from tests.conftest import ROOT, run_module
+from tests.loopback import loopback_server
 
 TEST_ENVS = str(ROOT / "tests" / "envs")
 VERSION_1_TEMPLATE = (  # the template before tools: plain chats must render exactly as they did
@@ -226,14 +227,8 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
     model = ScriptedModel()
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", model.chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        base_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
-        try:
+        async with loopback_server({("POST", "/v1/chat/completions"): model.chat}) as url:
+            base_url = f"{url}/v1"
             echo = EnvConfig(
                 id="echo-tools", args={"prompts": list(SCRIPT)}, harness_args={"max_turns": 3, "tool_timeout_s": 1.0}
             )
@@ -242,8 +237,6 @@ def test_harness_runs_tools_answers_each_bad_call_and_counts_it(monkeypatch):
                 await run_episodes(echo, base_url),
                 await run_episodes(codes, base_url, lambda env: list(itertools.islice(env.taskset, 2))),
             )
-        finally:
-            await runner.cleanup()
 
     echo_traces, code_traces = asyncio.run(main())
     by_prompt = dict(zip(SCRIPT, echo_traces))
