@@ -121,6 +121,8 @@ def test_every_group_option_composes(group, option):
             "past port 65535",
         ),
         (["launcher=slurm", "+launcher.sbatch.infer.exclude=node1"], "launcher.sbatch.infer", "is not a job role"),
+        (["launcher.colocate=true"], "launcher.colocate", "needs orchestrator.async_level=0 (it is 1)"),
+        (["launcher.colocate=true", "inference.device=cuda"], "launcher.colocate", "launcher.share_gpu=true"),
     ],
 )
 def test_bad_config_names_the_key(overrides, key, fragment):

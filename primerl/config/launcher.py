@@ -24,6 +24,11 @@ class LauncherConfig:
     # local: OMP/torch threads per trainer rank. None: on CPU the cores vLLM does not pin (cores - 1), on GPU torch's
     # default. benchmarks/step_profile.py measures the trade: more threads, more contention with vLLM.
     trainer_threads: int | None = bounded(None, ge=1)
+    # local, CPU: the trainer and the inference server take turns on every core (orchestrator.async_level=0, so
+    # they never run at once) instead of splitting the cores between them: the trainer gets every core's thread and
+    # one server's model every core. Pays where the model's compute dominates a step (hidden 512: 0.5x the split's
+    # wall time), not at the default size, where the asynchronous overlap is worth more (docs/scaling.md)
+    colocate: bool = False
     # SLURM only (primerl/launch/slurm.py): one job each for inference, orchestrator and trainer (and SFT if needed).
     partition: str | None = None
     account: str | None = None

@@ -171,6 +171,8 @@ def _launcher(cfg: RunConfig) -> None:
         raise ConfigError(
             "launcher.trainer_nodes", f"{lc.trainer_nodes} nodes need launcher=slurm; local is one machine"
         )
+    if lc.colocate:
+        _colocate(cfg)
     if lc.name == "slurm":
         if lc.signal_delay_s >= lc.time_limit_min * 60:
             raise ConfigError(
@@ -180,6 +182,20 @@ def _launcher(cfg: RunConfig) -> None:
         for role in lc.sbatch:
             if role not in JOB_ROLES:
                 raise ConfigError(f"launcher.sbatch.{role}", f"'{role}' is not a job role; one of {list(JOB_ROLES)}")
+
+
+def _colocate(cfg: RunConfig) -> None:
+    """Colocated processes take turns on this machine's cores: they must never run at once."""
+    if cfg.launcher.name != "local":
+        raise ConfigError("launcher.colocate", "shares one machine's cores; it needs launcher=local")
+    if cfg.inference.device == "cuda":
+        raise ConfigError("launcher.colocate", "is for CPU; on one GPU set launcher.share_gpu=true instead")
+    if cfg.orchestrator.async_level != 0:
+        raise ConfigError(
+            "launcher.colocate",
+            f"takes turns, so generation and training never overlap: it needs orchestrator.async_level=0 "
+            f"(it is {cfg.orchestrator.async_level})",
+        )
 
 
 def resolve_dp_shard(cfg: RunConfig, world_size: int) -> int:

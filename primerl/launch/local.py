@@ -23,10 +23,12 @@ LOOPBACK_GLOO = {"GLOO_SOCKET_IFNAME": "lo"}  # ranks on one machine: gloo's pai
 
 def trainer_threads(cfg: RunConfig) -> int | None:
     """The trainer's CPU threads: launcher.trainer_threads, else, on CPU, every core this process may run on but the
-    one vLLM pins. Never more threads than cores: torch waits for its slowest thread at every op, and a thread that
-    shares its core slows the trainer several times over (benchmarks/results.md, "The peer, explained")."""
+    one vLLM pins (every core with launcher.colocate, where they take turns). Never more threads than cores: torch
+    waits for its slowest thread at every op, and a thread that shares its core slows the trainer several times over
+    (benchmarks/results.md, "The peer, explained")."""
     cpu = cfg.inference.device == "cpu" or (cfg.inference.device == "auto" and not _has_cuda())
-    return cfg.launcher.trainer_threads or (max(1, len(os.sched_getaffinity(0)) - 1) if cpu else None)
+    spare = 0 if cfg.launcher.colocate else 1
+    return cfg.launcher.trainer_threads or (max(1, len(os.sched_getaffinity(0)) - spare) if cpu else None)
 
 
 @dataclass
