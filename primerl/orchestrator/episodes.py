@@ -16,7 +16,7 @@ Invariants:
 - a restarted orchestrator runs the pending tasks with the newest kept turns first (they finish first, and the
   first batch is the one their turns are least stale for);
 - a task whose journals hold turns older than the batch it would likely land in may train on (the batches the
-  samples buffered and in flight fill first, less `orchestrator.max_off_policy_steps`; primerl.orchestrator.loop) has
+  samples buffered and in flight fill first, less `orchestrator.max_off_policy_steps`; primerl.orchestrator.pacing) has
   them removed before it runs: it is sampled afresh rather than dropped as too stale once it finishes.
 """
 

@@ -2,21 +2,17 @@
 
     TaskSource -> Dispatcher ==(FinishedGroup | CancelledGroup)==> Sink --(Cut)--> BatchWriter -> rollouts/step_<n>
                       ^  keeps up to max_inflight rollouts in flight     ^ drops samples past max_off_policy_steps
-                      |  under the pacing budget below                   |
+                      |  under the pacing budget (pacing.py)             |
     Watcher: weights/step_<v> -> pause, load, resume the server -> Policy.version = v -> re-check the cut, wake
 
 Components hold no reference to each other; primerl.orchestrator.orchestrator wires them, this module runs the cut
 loop (`Orchestrator.run`). Each cut's metrics row: primerl.orchestrator.stats.
 
-Pacing (`may_admit`). With policy v served, batches up to v + async_level may be cut. The dispatcher may admit a
-group while the rollouts in flight plus the samples buffered leave room in the batches still cuttable:
-`inflight + buffered < (min(v + async_level + 1, max_steps) - next_step) * batch_size`. So the orchestrator never runs
-more than async_level batches (plus less than one group) ahead, and with async_level = 0 a group is admitted only for
-the batch of the policy that generates it (an overshoot is dropped at the next cut, counted). Batch n is cut as soon as
-`batch_size` fresh-enough samples are buffered and policy n - async_level is served. After each cut, in-flight groups
-that can no longer be trained (dispatched under a version older than next_step - max_off_policy_steps) are cancelled.
-With `drain_per_step` (lock-step, no continuous dispatch) one batch of groups is admitted at a time, and it is cut
-when every one of them has finished.
+Pacing (`may_admit`, primerl.orchestrator.pacing): with policy v served, batches up to v + async_level may be cut,
+and the dispatcher admits groups only while they fit in those batches. Batch n is cut as soon as `batch_size`
+fresh-enough samples are buffered and policy n - async_level is served. After each cut, in-flight groups that can no
+longer be trained (dispatched under a version older than next_step - max_off_policy_steps) are cancelled. With
+`drain_per_step` a batch is cut when every one of its groups has finished.
 
 Online evals (`eval.every`, primerl.orchestrator.online_eval) score the served policy on held-out envs: the watcher
 awaits the eval of version v, when one is due, before it loads a newer policy.
@@ -43,6 +39,7 @@ from primerl.metrics import OrchestratorMetric as M
 from primerl.orchestrator.admission import KvAdmission
 from primerl.orchestrator.dispatcher import Dispatcher
 from primerl.orchestrator.episodes import EpisodeJournals
+from primerl.orchestrator.pacing import Pacing
 from primerl.orchestrator.sink import Cut, Sink
 from primerl.orchestrator.source import TaskSource
 from primerl.orchestrator.stats import CutMeter
@@ -79,6 +76,7 @@ class Orchestrator:
         self.step = start_step  # the next batch to cut
         self.servers = servers or AlwaysServing()
         self.admission = admission  # None: orchestrator.max_inflight alone bounds what is in flight
+        self.pacing = Pacing(cfg, max_steps, policy, self.servers, admission)
         self.meter = meter or CutMeter()
         self.sink = Sink(
             cfg.batch_size,
@@ -106,7 +104,6 @@ class Orchestrator:
         # is in flight and its replacements before the watcher notices (2 x max_inflight), and resets the count
         self.max_failed_streak = 5 * cfg.batch_size + 2 * cfg.max_inflight
         self._changed = asyncio.Event()
-        self._round_start = 0  # drain_per_step: rollouts dispatched before the current round
         self._failed_streak = 0
         self._recoveries_seen = 0
         self._error: Exception | None = None  # found in a delivery callback, raised by the cut loop
@@ -118,28 +115,11 @@ class Orchestrator:
         self.dispatcher.wake()
 
     def _oldest_usable(self) -> int:
-        """The oldest policy version a group admitted now may have sampled with and still train: the batch it will
-        likely land in comes after the samples buffered and in flight ahead of it."""
-        ahead = (self.dispatcher.inflight_rollouts + self.sink.buffered) // self.cfg.batch_size
-        return self.step + ahead - self.cfg.off_policy_bound
+        return self.pacing.oldest_usable(self.step, self.dispatcher.inflight_rollouts, self.sink.buffered)
 
     def may_admit(self, n: int) -> bool:
-        if not self.servers.serving:
-            return False
-        cfg = self.cfg
-        cuttable = min(self.policy.version + cfg.async_level + 1, self.max_steps) - self.step
-        if cuttable <= 0:
-            return False
-        if self.admission is not None and not self.admission.allows(self.dispatcher.inflight_rollouts + n):
-            return False
-        committed = self.dispatcher.inflight_rollouts + self.sink.buffered
-        if cfg.drain_per_step:
-            if committed == 0:
-                self._round_start = self.dispatcher.counts.dispatched
-            return self.dispatcher.counts.dispatched - self._round_start + n <= cfg.batch_size
-        # room for one more sample is enough: failures and drops leave buffers that are not a multiple of a group, and
-        # waiting for room for a whole group could wait forever. The overshoot (< group_size) is the next batch's.
-        return committed < cuttable * cfg.batch_size
+        d = self.dispatcher
+        return self.pacing.may_admit(n, self.step, d.inflight_rollouts, self.sink.buffered, d.counts.dispatched)
 
     async def run(self) -> None:
         if self.journals is not None:  # those of tasks a kill left trained or spent, before it removed them
