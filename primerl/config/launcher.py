@@ -24,10 +24,10 @@ class LauncherConfig:
     # local: OMP/torch threads per trainer rank. None: on CPU the cores vLLM does not pin (cores - 1), on GPU torch's
     # default. benchmarks/step_profile.py measures the trade: more threads, more contention with vLLM.
     trainer_threads: int | None = bounded(None, ge=1)
-    # local, CPU: the trainer and the inference server take turns on every core (orchestrator.async_level=0, so
-    # they never run at once) instead of splitting the cores between them: the trainer gets every core's thread and
-    # one server's model every core. Pays where the model's compute dominates a step (hidden 512: 0.5x the split's
-    # wall time), not at the default size, where the asynchronous overlap is worth more (docs/scaling.md)
+    # local, CPU: generation and training take turns (orchestrator.async_level=0, so they never run at once) and the
+    # trainer gets every core instead of every core but the one vLLM's model runs on. The server keeps its cores:
+    # while it generates, its API server and the orchestrator need the other one (given both, it generated 0.91x as
+    # fast: benchmarks/results.md). Pays where training dominates a step, not at the default size (docs/scaling.md)
     colocate: bool = False
     # SLURM only (primerl/launch/slurm.py): one job each for inference, orchestrator and trainer (and SFT if needed).
     partition: str | None = None

@@ -138,7 +138,7 @@ def main(dict_cfg: DictConfig) -> None:
     node = os.environ.get("SLURMD_NODENAME")  # SLURM: inference jobs on several nodes may pick the same port
     policy = [] if cfg.teacher.alone else render_specs(cfg, model_path, device, prepare_start_adapter(cfg))
     specs = policy + teacher_specs(cfg, model_path)
-    bind_cores(specs, device, every_core=cfg.launcher.colocate)
+    bind_cores(specs, device)
     place_on_gpus(cfg, specs, on_slurm=node is not None)
     servers = [server_for(cfg.output_dir, spec, node) for spec in specs]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -20,7 +20,6 @@ from primerl.config.inference import (
     pd_pairs,
     replica_ports,
 )
-from primerl.config.launcher import LauncherConfig
 from primerl.config.model import ModelConfig
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.trainer import TrainerConfig
@@ -45,7 +44,6 @@ class ServingSections(Protocol):
     inference: InferenceConfig
     orchestrator: OrchestratorConfig
     trainer: TrainerConfig  # with moe.routing_replay the servers return the experts they routed each token to
-    launcher: LauncherConfig  # colocate: one CPU server's model on every core
 
 
 @dataclass
@@ -98,7 +96,7 @@ def render_specs(
         specs = _pd_specs(cfg, args, env)
     else:
         specs = [ServerSpec(args + ["--port", str(port)], dict(env), inf.host, port) for port in replica_ports(inf)]
-    bind_cores(specs, device, every_core=cfg.launcher.colocate)
+    bind_cores(specs, device)
     return specs
 
 
@@ -109,10 +107,9 @@ def teacher_spec(cfg: ServingSections, device: str, path: str, port: int) -> Ser
     return ServerSpec(args, _server_env(cfg, device, None), cfg.inference.host, port)
 
 
-def bind_cores(specs: list[ServerSpec], device: str, every_core: bool = False) -> None:
+def bind_cores(specs: list[ServerSpec], device: str) -> None:
     """CPU servers: the cores each one's model runs on. Several servers: each its own (replica_cores); one: vLLM's
-    `auto` (every core but one, which its API server and the other processes share), or with `every_core`
-    (launcher.colocate: it takes turns with the trainer) every core. With vLLM's worker process
+    `auto` (every core but one, which its API server and the other processes share). With vLLM's worker process
     (inference.cpu_executor=mp) vLLM binds that worker's OpenMP threads there (VLLM_CPU_OMP_THREADS_BIND); with the
     model in the engine-core process (uni) primerl's worker extension pins the engine's thread there, and torch runs
     one thread per core (OMP_NUM_THREADS, which vLLM leaves alone when it is set)."""
@@ -121,9 +118,6 @@ def bind_cores(specs: list[ServerSpec], device: str, every_core: bool = False) -
     if len(specs) > 1:
         for spec, cores in zip(specs, replica_cores(len(specs)), strict=True):
             spec.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
-    elif every_core:
-        for spec in specs:
-            spec.env["VLLM_CPU_OMP_THREADS_BIND"] = replica_cores(1)[0]
     for spec in specs:
         if spec.env.get(ENGINE_CORES_ENV) is not None:  # in-process engine: pin it (a teacher's spec: again)
             bind = spec.env["VLLM_CPU_OMP_THREADS_BIND"]
