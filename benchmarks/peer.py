@@ -17,8 +17,8 @@ length, and the thread settings, then the medians and ranges over rounds and pri
 Each run also records the machine's 1-minute load average when it started. `--trl-threads N` sets torch's threads in
 TRL (default: its own choice, every core it sees); `--busy N` keeps N single-threaded busy loops running beside both
 sides, as another job on a shared machine would. `--vs OVERRIDE ...` adds a third side in every round: primerl with
-those overrides (`primerl+`), e.g. `--vs orchestrator.async_level=0 launcher.trainer_threads=2` for generation and
-training taking turns, each with every core.
+those overrides (`primerl+`), e.g. `--vs launcher.colocate=true orchestrator.async_level=0` for generation and
+training taking turns, the trainer on every core.
 """
 
 import argparse
