@@ -51,10 +51,12 @@ class FakeServer:
         self.process = 0  # its workers' process: a restart gives its collective group a new name
         self.groups: list[str] = []  # the groups its collective loads were received in
         self.metrics_reads = 0
+        self.probes = 0  # /health requests (the watcher's health round; not `healthy()`, which tests call too)
         self.paused = False  # a load that was not proven leaves the server paused until one is
         self.loading: asyncio.Future | None = None  # the load its workers are running
 
     async def health(self) -> bool | None:
+        self.probes += 1
         return None if self.hung else await self.healthy()
 
     async def healthy(self) -> bool:
@@ -763,6 +765,27 @@ def test_a_replica_slow_to_load_is_taken_out_and_the_others_serve_the_version_wi
             assert [server.served for server in servers[:3]] == [1, 1, 1] and servers[3].paused
             await until(lambda: replicas.up == [True] * 4)
             assert servers[3].served == 1 and not servers[3].paused and servers[3].loads == [1]
+
+    asyncio.run(main())
+
+
+def test_replicas_that_answer_each_versions_load_are_not_probed_until_the_versions_stop(tmp_path):
+    """A load a replica answered is a sign of life, as a finished rollout is: while versions come more often than the
+    health round, the replicas get no /health probe; once they stop, the round probes them again."""
+    servers, replicas, _, _ = replica_set(3)
+    policy = Policy()
+    watcher = Watcher(tmp_path, replicas, policy, 0.01, 5.0)
+    watcher.health = Health(replicas, every_s=0.3)
+
+    async def main():
+        async with watching(watcher):
+            for version in range(1, 11):  # a version every 0.05 s for 0.5 s
+                publish(tmp_path, version)
+                await until(lambda v=version: policy.version == v)
+                await asyncio.sleep(0.05)
+            assert [server.probes for server in servers] == [0, 0, 0]
+            assert [server.served for server in servers] == [10, 10, 10]
+            await until(lambda: all(server.probes for server in servers), timeout_s=2.0)
 
     asyncio.run(main())
 

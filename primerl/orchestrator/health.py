@@ -6,9 +6,11 @@ Why: probing every replica at once each HEALTH_EVERY_S cost the orchestrator ~1.
 
 - a round visits the replicas in index order, `R * elapsed / HEALTH_EVERY_S` of them per tick, so every replica is
   visited once per HEALTH_EVERY_S (plus a tick) and the requests per second are even;
-- a visited replica that finished a rollout or answered a probe within HEALTH_EVERY_S is not probed: a rollout that
-  finished is a better sign of life than /health, and one that failed on a replica that refuses /health marks it down
-  at once (primerl.orchestrator.replicas);
+- a visited replica that finished a rollout, answered a weight load (pause, load, proof, resume:
+  primerl.orchestrator.watcher) or answered a probe within HEALTH_EVERY_S is not probed: a rollout that finished is a
+  better sign of life than /health, and one that failed on a replica that refuses /health marks it down at once
+  (primerl.orchestrator.replicas). With a version every few seconds, which is when the replicas are many and the
+  probes would cost the most, every loaded replica shows life at each version;
 - a probe that gets no answer adds the silence since that replica's last probe (primerl.utils.liveness); a refused
   one marks it down at once.
 So a dead replica with no rollouts is out within HEALTH_EVERY_S plus a tick; one with rollouts, when they fail.

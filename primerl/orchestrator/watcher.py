@@ -5,8 +5,8 @@ replica that is up, concurrently and in flight (pause with requests kept, load, 
 primerl.orchestrator.inference_client), then advances `Policy` and calls `on_change` (the orchestrator re-checks its
 batch cut and wakes the dispatcher). Versions in between are skipped: a server only ever needs the newest.
 
-Health (primerl.orchestrator.health): each up replica that showed no other sign of life is probed about once per
-HEALTH_EVERY_S, a slice of them per tick, during a load too; every up replica after a group whose every rollout failed
+Health (primerl.orchestrator.health): each up replica that showed no other sign of life (a finished rollout, a load
+it answered) is probed about once per HEALTH_EVERY_S, a slice of them per tick, during a load too; every up replica after a group whose every rollout failed
 (`check_health()`) and after a failed load. One that refuses (nothing listens, an error status), or has shown no sign of
 life for the replicas' liveness limit, is marked down and gets new rollouts no more; a load in flight to it is cut (a
 node lost mid-load answers nothing, and would hold the version for the load's whole timeout). A replica marked down
@@ -221,6 +221,7 @@ class Watcher:
                 continue
             if result is not None:
                 loaded.append(result)
+                self.replicas.pulses[index].answered()  # a sign of life: no /health probe needed for a while
                 self.recovery.settle(index, took=True)
         if loaded:
             self._advance(version, max(result.seconds for result in loaded), time.monotonic() - started, len(loaded))
